@@ -1,0 +1,159 @@
+"""`selfspec` command line: models, generate, serve, train, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from selfspec.models import ModelNotFoundError
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from selfspec.models import embedded_models
+
+    for info in embedded_models():
+        state = "" if info.present else "  (missing: rebuild with `selfspec train " + info.name + "`)"
+        print(f"{info.name:16s} {info.path}{state}")
+        print(f"{'':16s} {info.description}")
+        prov = info.provenance()
+        if prov and prov.get("heldout_perplexity"):
+            print(f"{'':16s} held-out perplexity {prov['heldout_perplexity']:.1f}, "
+                  f"{prov.get('tokens_seen', 0) / 1e6:.1f}M tokens, {prov.get('total_seconds', 0) / 60:.0f} min to train")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.engines.hf import HFEngine
+
+    engine = HFEngine.from_pretrained(args.model, dtype=torch.float32)
+    tok = engine.tokenizer
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+    else:
+        text = args.prompt
+    prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    started = time.perf_counter()
+    (out,) = engine.generate([prompt_ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                             seed=args.seed, mode=args.mode)
+    elapsed = time.perf_counter() - started
+    print(tok.decode(out.token_ids, skip_special_tokens=True))
+    n = len(out.token_ids)
+    print(f"\n[{n} tokens, finish={out.finish_reason}, {n / max(elapsed, 1e-9):.1f} tok/s, mode={args.mode}]",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    import subprocess
+
+    from selfspec.serving import ServerSpec
+
+    argv, env = ServerSpec(args.model, host=args.host, port=args.port, extra_args=extra).command()
+    print("launching: " + " ".join(argv), file=sys.stderr)
+    # Stays in the foreground: Ctrl-C reaches SGLang, which shuts down its own children.
+    return subprocess.call(argv, env=env)
+
+
+def _cmd_train_tiny_base(args: argparse.Namespace) -> int:
+    from selfspec.models import ASSETS_DIR
+    from selfspec.training.tiny_base import TinyBaseConfig, train_tiny_base
+
+    cfg = TinyBaseConfig(steps=args.steps, time_budget_minutes=args.time_budget_minutes, seed=args.seed)
+    train_tiny_base(Path(args.out) if args.out else ASSETS_DIR / "tiny-base", cfg)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="selfspec",
+        description="Self-speculative parallel decoding (ISD, RISD, JACOBI, SJD) for SGLang, and its training package.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("models", help="list the embedded models and where they are on disk")
+    p.set_defaults(func=_cmd_models)
+
+    p = sub.add_parser("generate", help="generate with the Hugging Face reference engine")
+    p.add_argument("--model", required=True, help="embedded model name (see `selfspec models`) or checkpoint directory")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--mode", default="ar", help="decoding mode: ar, ngram, jacobi, sjd, isd, risd (default ar)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve a model with stock SGLang and the selfspec plugin",
+        description="Launch `python -m sglang.launch_server` on a model. Without CUDA the CPU settings are added "
+        "(SGLANG_USE_CPU_ENGINE=1, --device cpu, --attention-backend torch_native, a bounded --max-total-tokens, "
+        "--skip-server-warmup). Arguments after `--` go to SGLang unchanged, e.g. "
+        "`selfspec serve --model tiny-base -- --speculative-algorithm NGRAM`.",
+    )
+    p.add_argument("--model", default="tiny-base", help="embedded model name or checkpoint directory (default tiny-base)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.set_defaults(func=_cmd_serve, takes_extra=True)
+
+    train = sub.add_parser("train", help="training recipes").add_subparsers(dest="recipe", required=True, metavar="RECIPE")
+    p = train.add_parser("tiny-base", help="train the embedded tokenizer + ~5M-parameter Qwen3 on the stdlib sources",
+                         description="Trains a byte-level BPE tokenizer and a Qwen3-architecture causal LM on this "
+                         "interpreter's standard-library sources and exports bf16 safetensors with provenance.json.")
+    p.add_argument("--out", default=None, help="output directory (default: the package's embedded tiny-base)")
+    p.add_argument("--steps", type=int, default=2400, help="optimizer steps at most (default 2400)")
+    p.add_argument("--time-budget-minutes", type=float, default=50.0,
+                   help="wall-clock budget of the training loop; the LR schedule anneals within it (default 50)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_train_tiny_base)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
+    try:
+        from selfspec.benchmarks import offline
+
+        p = bench.add_parser("offline", help="offline decoding benchmark on the HF engine (TPF, tok/s, ratio to AR)")
+        offline.add_arguments(p)
+        p.set_defaults(func=offline.run)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if extra and not getattr(args, "takes_extra", False):
+        parser.error("arguments after `--` are only accepted by `selfspec serve`")
+    try:
+        if getattr(args, "takes_extra", False):
+            return args.func(args, extra)
+        return args.func(args)
+    except ModelNotFoundError as e:
+        print(f"selfspec: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from selfspec.serving import ServeError
+
+        if isinstance(e, ServeError):
+            print(f"selfspec: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

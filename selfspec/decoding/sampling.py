@@ -1,0 +1,78 @@
+"""How a row of logits becomes the distribution p that AR sampling draws from.
+
+One definition shared by AR sampling in every engine and by the speculative verify rules, so
+that speculative acceptance with tau = 0 reproduces AR sampling's distribution exactly.
+Order: temperature, then top-k (ties at the k-th value are kept), then softmax, then top-p
+(smallest descending prefix whose mass reaches top_p; the top token is always kept), then
+renormalise. temperature == 0 means greedy: p is one-hot at the first argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; `top_k <= 0` and `top_p >= 1` switch the filter off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def _broadcast(value: torch.Tensor | float | int, rows: torch.Size, dtype, device) -> torch.Tensor:
+    t = torch.as_tensor(value, dtype=dtype, device=device)
+    while t.dim() < len(rows):
+        t = t.unsqueeze(-1)
+    return t.expand(rows)
+
+
+def logits_to_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int = 0,
+    top_p: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] in fp32.
+
+    `temperature`, `top_k`, `top_p` are scalars or tensors broadcastable from the left
+    (e.g. shape [B] for logits [B, T, V]: one setting per sequence).
+    """
+    logits = logits.float()
+    rows = logits.shape[:-1]
+    vocab = logits.shape[-1]
+    temp = _broadcast(temperature, rows, torch.float32, logits.device)
+    k = _broadcast(top_k, rows, torch.long, logits.device)
+    p_cut = _broadcast(top_p, rows, torch.float32, logits.device)
+
+    greedy = temp <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(-1)
+
+    k_active = (k > 0) & (k < vocab)
+    if bool(k_active.any()):
+        sorted_desc = scaled.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(-1, (k.clamp(1, vocab) - 1).unsqueeze(-1))
+        scaled = torch.where(k_active.unsqueeze(-1) & (scaled < kth), float("-inf"), scaled)
+
+    probs = torch.softmax(scaled, dim=-1)
+
+    p_active = p_cut < 1.0
+    if bool(p_active.any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop_sorted = mass_before >= p_cut.unsqueeze(-1)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = torch.where(p_active.unsqueeze(-1) & drop, 0.0, probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+
+    if bool(greedy.any()):
+        one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
+        probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+    return probs

@@ -1,0 +1,161 @@
+"""Verify rules: the one definition of acceptance that every engine and kernel follows.
+
+Layout shared by all rules, batched over sequences b and draft positions i:
+  target_logits [B, D+1, V]  row i (< D) is the causal anchor that judges draft i;
+                             row `accept_len` gives the correction or the bonus token
+  draft_tokens  [B, D]       the drafts, left to right
+  num_drafts    [B]          how many drafts of the row are real (the rest is padding)
+Per-row randomness comes from `seeds [B, D+1]` through `selfspec.decoding.rng`: the accept
+uniform of position i is uniform(seed[b, i], 0); Gumbel noise for vocab entry v at that
+position is gumbel(seed[b, i], v + 1). Identical seeds give identical results in every
+implementation (the Triton kernels are tested bit-exact against these references).
+
+The public functions dispatch to a kernel where one is available (see selfspec.kernels);
+the `*_reference` functions are the definitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.decoding import rng
+from selfspec.decoding.sampling import logits_to_probs
+
+
+@dataclass
+class VerifyResult:
+    accept_len: torch.Tensor  # [B] long: drafts accepted, a prefix of each row
+    next_tokens: torch.Tensor  # [B] long: the resampled token at the first rejection, or the bonus
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        """[B] tokens committed this step per row: accepted drafts plus one."""
+        return self.accept_len + 1
+
+
+@dataclass
+class CandidateVerifyResult(VerifyResult):
+    best_candidate: torch.Tensor  # [B] long: index of the winning branch (first on ties)
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """[B, D] bool -> [B] length of the all-True prefix of each row."""
+    return mask.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def _valid_drafts(num_drafts: torch.Tensor, depth: int) -> torch.Tensor:
+    return torch.arange(depth, device=num_drafts.device).unsqueeze(0) < num_drafts.unsqueeze(1)
+
+
+def greedy_verify_reference(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor
+) -> VerifyResult:
+    depth = draft_tokens.shape[1]
+    argmax = target_logits.argmax(dim=-1)  # [B, D+1]
+    matches = (argmax[:, :depth] == draft_tokens) & _valid_drafts(num_drafts, depth)
+    accept_len = _leading_true(matches)
+    next_tokens = argmax.gather(1, accept_len.unsqueeze(1)).squeeze(1)
+    return VerifyResult(accept_len, next_tokens)
+
+
+def speculative_verify_reference(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    num_drafts: torch.Tensor,
+    seeds: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int = 0,
+    top_p: torch.Tensor | float = 1.0,
+    tau: torch.Tensor | float = 0.0,
+    draft_probs: torch.Tensor | None = None,
+) -> VerifyResult:
+    """p/q speculative acceptance with relaxed threshold and residual resampling.
+
+    Draft i is accepted with probability min(1, (1 + tau) p(x_i) / q(x_i)); at the first
+    rejection a token is drawn from normalize(max(0, p - q)) and the row stops; if every real
+    draft passes, a bonus token is drawn from p at the last anchor. p is the AR sampling
+    distribution (`logits_to_probs`); q is `draft_probs` [B, D, V] or, when None, one-hot at
+    the drafts (argmax proposals). tau = 0 reproduces AR sampling's distribution exactly.
+    """
+    bsz, depth = draft_tokens.shape
+    vocab = target_logits.shape[-1]
+    device = target_logits.device
+    per_row = lambda v, dt: torch.as_tensor(v, dtype=dt, device=device).expand(bsz)  # noqa: E731
+    temp, k, top = per_row(temperature, torch.float32), per_row(top_k, torch.long), per_row(top_p, torch.float32)
+    tau_b = per_row(tau, torch.float32)
+
+    probs = logits_to_probs(target_logits, temp, k, top)  # [B, D+1, V]
+    p_draft = probs[:, :depth].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, D]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.float().gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    u = rng.uniform(seeds[:, :depth], torch.zeros((), dtype=torch.long, device=device))
+    accepted = (u * q_draft < (1.0 + tau_b).unsqueeze(1) * p_draft) & _valid_drafts(num_drafts, depth)
+    accept_len = _leading_true(accepted)
+
+    rows = torch.arange(bsz, device=device)
+    p_stop = probs[rows, accept_len]  # [B, V]
+    rejected = accept_len < num_drafts
+    if draft_probs is None:
+        q_stop = torch.zeros_like(p_stop)
+        stop_draft = draft_tokens.gather(1, accept_len.clamp(max=depth - 1).unsqueeze(1)) if depth else None
+        if depth:
+            q_stop.scatter_(1, stop_draft, 1.0)
+    else:
+        padded = torch.cat([draft_probs.float(), torch.zeros_like(p_stop).unsqueeze(1)], dim=1)
+        q_stop = padded[rows, accept_len]
+    residual = (p_stop - q_stop).clamp_min(0.0)
+    # A residual can vanish only through rounding when p == q; then p itself is the target.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)
+    target = torch.where(rejected.unsqueeze(1), residual, p_stop)
+
+    stop_seed = seeds[rows, accept_len].unsqueeze(1)
+    noise = rng.gumbel(stop_seed, torch.arange(1, vocab + 1, device=device).unsqueeze(0))
+    next_tokens = (target.log() + noise).argmax(dim=-1)
+    return VerifyResult(accept_len, next_tokens)
+
+
+def greedy_verify_candidates_reference(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor
+) -> CandidateVerifyResult:
+    """Several candidate branches per sequence: [B, C, D+1, V], [B, C, D], [B, C].
+
+    Each branch is verified greedily; the branch with the longest accepted prefix wins
+    (the first such branch on ties).
+    """
+    bsz, cands, depth = draft_tokens.shape
+    flat = greedy_verify_reference(
+        target_logits.reshape(bsz * cands, depth + 1, -1),
+        draft_tokens.reshape(bsz * cands, depth),
+        num_drafts.reshape(bsz * cands),
+    )
+    lens = flat.accept_len.view(bsz, cands)
+    best = lens.argmax(dim=1)  # torch returns the first maximal index
+    rows = torch.arange(bsz, device=lens.device)
+    return CandidateVerifyResult(lens[rows, best], flat.next_tokens.view(bsz, cands)[rows, best], best)
+
+
+def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor) -> VerifyResult:
+    from selfspec.kernels.dispatch import resolve
+
+    return resolve("greedy_verify", greedy_verify_reference, target_logits)(target_logits, draft_tokens, num_drafts)
+
+
+def speculative_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
+                       seeds: torch.Tensor, temperature, top_k=0, top_p=1.0, tau=0.0,
+                       draft_probs: torch.Tensor | None = None) -> VerifyResult:
+    from selfspec.kernels.dispatch import resolve
+
+    impl = resolve("speculative_verify", speculative_verify_reference, target_logits)
+    return impl(target_logits, draft_tokens, num_drafts, seeds, temperature, top_k, top_p, tau, draft_probs)
+
+
+def greedy_verify_candidates(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                             num_drafts: torch.Tensor) -> CandidateVerifyResult:
+    from selfspec.kernels.dispatch import resolve
+
+    impl = resolve("greedy_verify_candidates", greedy_verify_candidates_reference, target_logits)
+    return impl(target_logits, draft_tokens, num_drafts)

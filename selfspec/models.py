@@ -1,0 +1,58 @@
+"""Embedded models and how a `--model` argument resolves to a directory on disk."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+
+EMBEDDED_MODELS: dict[str, str] = {
+    "tiny-base": "Qwen3-architecture causal LM (~5M parameters) trained on the Python standard library",
+}
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: Path
+    description: str
+
+    @property
+    def present(self) -> bool:
+        return (self.path / "config.json").exists() or (self.path / "adapter_config.json").exists()
+
+    def provenance(self) -> dict | None:
+        p = self.path / "provenance.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+
+def embedded_models() -> list[ModelInfo]:
+    return [ModelInfo(n, ASSETS_DIR / n, d) for n, d in EMBEDDED_MODELS.items()]
+
+
+def resolve_model(name_or_path: str | Path) -> Path:
+    """An embedded model's name, or a directory with a Hugging Face checkpoint or adapter."""
+    text = str(name_or_path)
+    if text in EMBEDDED_MODELS:
+        info = ModelInfo(text, ASSETS_DIR / text, EMBEDDED_MODELS[text])
+        if not info.present:
+            raise ModelNotFoundError(
+                f"embedded model '{text}' is not on disk at {info.path}; rebuild it with `selfspec train {text}`"
+            )
+        return info.path
+    path = Path(text).expanduser()
+    if path.is_dir() and ((path / "config.json").exists() or (path / "adapter_config.json").exists()):
+        return path.resolve()
+    known = ", ".join(EMBEDDED_MODELS)
+    if path.exists():
+        raise ModelNotFoundError(f"'{text}' has no config.json or adapter_config.json: not a checkpoint directory")
+    raise ModelNotFoundError(
+        f"unknown model '{text}': neither an embedded model ({known}) nor an existing directory. "
+        "Run `selfspec models` to list the embedded models."
+    )

@@ -1,0 +1,149 @@
+"""Launching stock SGLang with the selfspec plugin: command line, environment, lifecycle."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from selfspec.models import resolve_model
+
+# On CPU the KV pool would otherwise be sized from free RAM (15 GB, nearly a minute to allocate).
+CPU_MAX_TOTAL_TOKENS = 65536
+
+
+class ServeError(RuntimeError):
+    """A problem the user can fix, reported as one line instead of a traceback."""
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # a broken torch install is reported by SGLang itself
+        return False
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+@dataclass
+class ServerSpec:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    extra_args: list[str] = field(default_factory=list)
+    cpu: bool | None = None  # None: decide from torch.cuda.is_available()
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        if importlib.util.find_spec("sglang") is None:
+            raise ServeError(
+                "SGLang is not installed in this Python environment. Run `make setup` "
+                "(CPU development venv) or `pip install 'selfspec[gpu]'` (GPU), then retry."
+            )
+        model_path = resolve_model(self.model)
+        if port_in_use(self.host, self.port):
+            raise ServeError(f"port {self.port} on {self.host} is already in use; pick another with --port")
+        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+                "--host", self.host, "--port", str(self.port)]
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        use_cpu = (not cuda_available()) if self.cpu is None else self.cpu
+        extra = list(self.extra_args)
+        if use_cpu:
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            defaults = {
+                "--device": ["cpu"],
+                "--attention-backend": ["torch_native"],
+                "--max-total-tokens": [str(CPU_MAX_TOTAL_TOKENS)],
+                "--skip-server-warmup": [],
+            }
+            for flag, value in defaults.items():
+                if not _has_flag(extra, flag):
+                    args += [flag, *value]
+        return args + extra, env
+
+
+class ServerProcess:
+    """Start a server in its own process group, wait until it answers, stop it (and its children)."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path | None = None, startup_timeout: float = 300.0):
+        self.spec = spec
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    def start(self) -> "ServerProcess":
+        argv, env = self.spec.command()
+        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.time() + self.startup_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise ServeError(f"the SGLang server exited with code {self.proc.returncode} during startup"
+                                 + (f"; see {self.log_path}" if self.log_path else ""))
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServeError(f"the SGLang server did not become healthy within {self.startup_timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

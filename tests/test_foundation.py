@@ -1,0 +1,125 @@
+"""Package, embedded model, corpus split, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from selfspec.models import ModelNotFoundError, resolve_model
+from selfspec.serving import ServeError, ServerSpec
+from selfspec.training.corpus import is_heldout, iter_stdlib_files, load_stdlib_split
+from selfspec.training.tokenizer import EOS_TOKEN, IM_END, IM_START, MASK_TOKEN
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "selfspec.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_corpus_excludes_tests_and_site_packages():
+    files = iter_stdlib_files()
+    paths = [f.relpath for f in files]
+    assert len(paths) > 300
+    for p in paths:
+        parts = p.split("/")
+        assert not {"test", "tests", "idle_test", "site-packages"} & set(parts[:-1]), p
+    assert "unittest/case.py" in paths and "argparse.py" in paths
+
+
+def test_corpus_split_is_deterministic_and_disjoint():
+    a, b = load_stdlib_split(), load_stdlib_split()
+    assert a.digest() == b.digest()
+    train = {f.relpath for f in a.train}
+    held = {f.relpath for f in a.heldout}
+    assert train and held and not train & held
+    assert all(is_heldout(p) for p in held) and not any(is_heldout(p) for p in train)
+
+
+def test_embedded_tokenizer_round_trip(tiny_base_path, heldout_prompts):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_base_path)
+    assert 4096 <= len(tok) <= 8192
+    for special in (EOS_TOKEN, MASK_TOKEN, IM_START, IM_END):
+        ids = tok(special, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1, f"{special} is not a single token"
+    assert tok.mask_token == MASK_TOKEN and tok.eos_token == EOS_TOKEN
+    texts = heldout_prompts[:16] + ["naïve café ☕ — 中文\t\r\n", "    return x  # trailing spaces   \n\n"]
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_embedded_model_provenance_and_size(tiny_base_path):
+    prov = json.loads((tiny_base_path / "provenance.json").read_text())
+    weights = tiny_base_path / "model.safetensors"
+    assert weights.stat().st_size <= 12 * 2**20
+    assert prov["saved_dtype"] == "bfloat16"
+    for key in ("command", "seed", "steps", "tokens_seen", "heldout_loss", "train_loss_last"):
+        assert prov[key] is not None, key
+    assert prov["corpus"]["sha256"] and prov["corpus"]["heldout_paths"]
+    assert 4e6 < prov["parameters"] < 7e6
+    config = json.loads((tiny_base_path / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] is True
+
+
+def test_models_command_lists_embedded_models(tiny_base_path):
+    out = _cli("models")
+    assert out.returncode == 0
+    assert "tiny-base" in out.stdout and str(tiny_base_path) in out.stdout
+
+
+def test_resolve_model_errors_name_the_fix(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="selfspec models"):
+        resolve_model("no-such-model")
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        resolve_model(tmp_path)
+
+
+def test_serve_unknown_model_is_one_clear_line():
+    out = _cli("serve", "--model", "no-such-model")
+    assert out.returncode == 2
+    assert "unknown model 'no-such-model'" in out.stderr and "tiny-base" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_serve_port_in_use_is_reported(tiny_base_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = _cli("serve", "--model", "tiny-base", "--port", str(port))
+    assert out.returncode == 2
+    assert f"port {port}" in out.stderr and "--port" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_without_sglang_names_the_fix(monkeypatch, tiny_base_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    with pytest.raises(ServeError, match="make setup"):
+        ServerSpec("tiny-base", port=1).command()
+
+
+def test_serve_cpu_defaults_and_passthrough(tiny_base_path):
+    from selfspec.serving import free_port
+
+    argv, env = ServerSpec("tiny-base", port=free_port(), cpu=True,
+                           extra_args=["--max-total-tokens", "4096", "--speculative-algorithm", "NGRAM"]).command()
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert argv[argv.index("--device") + 1] == "cpu"
+    assert argv[argv.index("--attention-backend") + 1] == "torch_native"
+    assert argv.count("--max-total-tokens") == 1 and "4096" in argv  # the user's value wins
+    assert argv[-2:] == ["--speculative-algorithm", "NGRAM"]
+
+
+def test_arguments_after_dashdash_only_for_serve():
+    out = _cli("models", "--", "--foo")
+    assert out.returncode == 2 and "only accepted by `selfspec serve`" in out.stderr
