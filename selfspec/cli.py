@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "interpreter's standard-library sources and exports bf16 safetensors with provenance.json.")
     p.add_argument("--out", default=None, help="output directory (default: the package's embedded tiny-base)")
     p.add_argument("--steps", type=int, default=2400, help="optimizer steps at most (default 2400)")
-    p.add_argument("--time-budget-minutes", type=float, default=50.0,
-                   help="wall-clock budget of the training loop; the LR schedule anneals within it (default 50)")
+    p.add_argument("--time-budget-minutes", type=float, default=45.0,
+                   help="wall-clock budget of the training loop; the LR schedule anneals within it (default 45)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_train_tiny_base)
 
