@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a model with stock SGLang and the selfspec plugin",
         description="Launch `python -m sglang.launch_server` on a model. Without CUDA the CPU settings are added "
         "(SGLANG_USE_CPU_ENGINE=1, --device cpu, --attention-backend torch_native, a bounded --max-total-tokens, "
-        "--skip-server-warmup). Arguments after `--` go to SGLang unchanged, e.g. "
+        "--skip-server-warmup, --dtype float32). Arguments after `--` go to SGLang unchanged, e.g. "
         "`selfspec serve --model tiny-base -- --speculative-algorithm NGRAM`.",
     )
     p.add_argument("--model", default="tiny-base", help="embedded model name or checkpoint directory (default tiny-base)")

@@ -14,7 +14,12 @@ from pathlib import Path
 from selfspec.serving import ServerProcess, ServerSpec, ServeError, free_port
 
 CHAT_PROMPT = "Write a Python function that reverses a string."
-COMPLETION_PROMPT = "import os\n\n\ndef list_python_files(root):\n"
+# Ends mid-line: the BPE merges a newline with the indentation after it, so a prompt ending in
+# a bare newline would start the model from a token boundary it never saw in training.
+COMPLETION_PROMPT = (
+    'def list_python_files(root):\n    """Return the paths of all Python files under root."""\n'
+    "    result = []\n    for"
+)
 
 
 def run_demo(model: str, extra_args: list[str], max_tokens: int) -> None:

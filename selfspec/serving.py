@@ -84,6 +84,9 @@ class ServerSpec:
                 "--attention-backend": ["torch_native"],
                 "--max-total-tokens": [str(CPU_MAX_TOTAL_TOKENS)],
                 "--skip-server-warmup": [],
+                # AVX2 CPUs have no bf16 arithmetic: fp32 is faster there, and matches the HF
+                # reference engine's fp32 exactly.
+                "--dtype": ["float32"],
             }
             for flag, value in defaults.items():
                 if not _has_flag(extra, flag):
