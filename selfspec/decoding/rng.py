@@ -28,8 +28,12 @@ def hash_u32(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
 
 
 def uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """Uniform in (0, 1), 24-bit resolution, fp32; broadcasts seed against offset."""
-    return ((hash_u32(seed, offset) >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    """Uniform in the open interval (0, 1), 23-bit resolution, fp32; broadcasts seed against offset.
+
+    23 bits, not 24: (2^24 - 0.5) / 2^24 rounds to exactly 1.0 in fp32, whose Gumbel noise is
+    +inf and would let a zero-probability token win a Gumbel-max draw.
+    """
+    return ((hash_u32(seed, offset) >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
