@@ -117,15 +117,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_train_tiny_base)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
-    try:
-        from selfspec.benchmarks import offline
+    from selfspec.training import idlm, recipes
 
-        p = bench.add_parser("offline", help="offline decoding benchmark on the HF engine (TPF, tok/s, ratio to AR)")
-        offline.add_arguments(p)
-        p.set_defaults(func=offline.run)
-    except ImportError:
-        pass
+    p = train.add_parser("idlm", help="convert a causal LM into an introspective (I-DLM) model: full or gated-LoRA",
+                         description=idlm.__doc__)
+    idlm.add_arguments(p)
+    p.set_defaults(func=idlm.run)
+    for name in recipes.RECIPES:
+        p = train.add_parser(name, help=f"rebuild the embedded {name} from its committed recipe")
+        recipes.add_arguments(p)
+        p.set_defaults(func=recipes.run, recipe=name)
+
+    from selfspec.training import export
+
+    p = sub.add_parser("export", help="export a training checkpoint as an SGLang-ready model (weights + selfspec.json)")
+    export.add_arguments(p)
+    p.set_defaults(func=export.run)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
+    from selfspec.benchmarks import offline, serve
+
+    p = bench.add_parser("offline", help="offline decoding benchmark on the HF engine (TPF, tok/s, ratio to AR)",
+                         description=offline.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    offline.add_arguments(p)
+    p.set_defaults(func=offline.run)
+    p = bench.add_parser("serve", help="served benchmark: each mode's SGLang server under load (tok/s, TPOT, TPF)",
+                         description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.run)
     return parser
 
 

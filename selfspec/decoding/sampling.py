@@ -76,3 +76,28 @@ def logits_to_probs(
         one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
         probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
     return probs
+
+
+def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row of probs [..., V] by Gumbel-max with counter-based noise.
+
+    The noise for vocab entry v of a row is `rng.gumbel(seed, v + 1)`, the convention the
+    verify rules use for their correction / bonus draw, so AR sampling and a speculative bonus
+    token given the same seed are the same draw. seeds has probs' leading shape.
+    """
+    from selfspec.decoding import rng
+
+    vocab = probs.shape[-1]
+    noise = rng.gumbel(seeds.unsqueeze(-1), torch.arange(1, vocab + 1, device=probs.device))
+    return (probs.log() + noise).argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int = 0,
+    top_p: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """AR sampling: logits [..., V] -> tokens [...]; greedy rows give the first argmax."""
+    return sample_from_probs(logits_to_probs(logits, temperature, top_k, top_p), seeds)

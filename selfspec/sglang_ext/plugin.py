@@ -1,4 +1,9 @@
-"""SGLang plugin entry point (`sglang.srt.plugins` group): runs in every SGLang process."""
+"""SGLang plugin entry point (`sglang.srt.plugins` group): runs in every SGLang process.
+
+Order matters: the CPU stand-ins for `sgl_kernel` first (SGLang's CPU path imports them), then
+the selfspec algorithms and the hooks they need. Hooks are registered here and applied by
+SGLang's `load_plugins()` right after every plugin ran (`HookRegistry.apply_hooks`).
+"""
 
 from __future__ import annotations
 
@@ -7,3 +12,12 @@ def register() -> None:
     from selfspec.sglang_ext.cpu_compat import install_cpu_compat
 
     install_cpu_compat()
+
+    from selfspec.sglang_ext import attention, cli_args, lora, metrics, registration, request_checks
+
+    registration.register_algorithms()  # --speculative-algorithm ISD | RISD | JACOBI | SJD
+    cli_args.install()  # --selfspec-* flags on SGLang's command line
+    attention.install()  # TARGET_VERIFY for the torch_native (CPU) attention backend
+    lora.install()  # RISD: per-token gated LoRA inside SGLang's linear layers
+    metrics.install()  # per-request TPF / accepted length in meta_info
+    request_checks.install()  # 400 for what a mode cannot honour (sampling with JACOBI, penalties, ...)

@@ -1,0 +1,1 @@
+"""Benchmarks of the decoding modes (offline: HF reference engine)."""

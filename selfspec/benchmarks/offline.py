@@ -1,0 +1,275 @@
+"""Offline benchmark of the decoding modes on the HF reference engine.
+
+    selfspec bench offline --modes ar,ngram,jacobi,sjd,isd,risd --model tiny-base \\
+        --prompts prompts.jsonl [--max-new-tokens 128] [--batch-size B] [--temperature T] [--json OUT]
+
+`--prompts` is JSON lines, one {"prompt": "text"} (or {"prompt_ids": [ints]}) per line. AR always
+runs first (added if not listed): it is the reference for the wall-clock ratio and, under greedy
+decoding, for the exact-match rate. Each mode decodes every prompt once; time is wall clock
+around `HFEngine.generate` (after one short warm-up generate). A mode the model cannot run
+(ISD without a [MASK] token, RISD without an adapter, JACOBI when sampling) is reported as
+"skipped" with the reason; an unexpected failure as "error" (exit status 1).
+
+JSON schema (`schema` = "selfspec.bench.offline/v1"; keys are only ever added):
+
+    {
+      "schema": "selfspec.bench.offline/v1",
+      "model": str, "prompts_file": str, "num_prompts": int,
+      "max_new_tokens": int, "batch_size": int | null,          # null: all prompts in one batch
+      "sampling": {"temperature": float, "top_k": int, "top_p": float}, "seed": int,
+      "device": str, "dtype": str, "torch_threads": int,
+      "modes": [
+        {
+          "mode": str,                          # ar | ngram | jacobi | sjd | isd | risd
+          "status": "ok" | "skipped" | "error",
+          "reason": str | null,                 # why skipped / the error
+          "config": {...} | null,               # the mode's resolved configuration
+          "wall_s": float,                      # wall-clock seconds for all prompts
+          "tokens": int,                        # generated tokens (stop tokens included)
+          "tokens_per_s": float,
+          "forwards": int,                      # model forwards summed over sequences (prefill incl.)
+          "tpf": float,                         # tokens per forward = tokens / forwards
+          "wall_ratio_vs_ar": float,            # wall_s / AR's wall_s (same run); < 1 is faster
+          "speedup_vs_ar": float,               # AR's wall_s / wall_s
+          "exact_match_vs_ar": float | null,    # share of prompts whose output equals AR's (greedy only)
+          "mean_accepted_length": float,        # tokens committed per decode forward (prefill excl.)
+          "compute_overhead": float,            # query tokens per committed token (AR = 1)
+          "repetition_loops": int,              # outputs ending in a repetition loop (`is_repetition_loop`)
+          "accept_hist": {"k": count},          # decode forwards that committed k tokens
+          "finish_reasons": {"stop": int, "length": int}
+        }, ...
+      ]
+    }
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "selfspec.bench.offline/v1"
+DEFAULT_MODES = "ar,ngram,jacobi,sjd,isd,risd"
+
+
+def is_repetition_loop(tokens: list[int], max_period: int = 16, min_span: int = 16, min_repeats: int = 4) -> bool:
+    """True when the output ends in a loop: for some period P <= max_period, its last
+    max(min_span, min_repeats * P) tokens repeat with period P (t[i] == t[i - P])."""
+    n = len(tokens)
+    for period in range(1, max_period + 1):
+        span = max(min_span, min_repeats * period)
+        if span + period > n:
+            break
+        tail = tokens[n - span :]
+        prev = tokens[n - span - period : n - period]
+        if tail == prev:
+            return True
+    return False
+
+
+def load_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> tuple[list[str | None], list[list[int]]]:
+    texts, ids = [], []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        row = json.loads(line)
+        if "prompt_ids" in row:
+            texts.append(row.get("prompt"))
+            ids.append([int(t) for t in row["prompt_ids"]])
+        elif "prompt" in row:
+            if tokenizer is None:
+                raise ValueError(f"{path}:{lineno}: text prompts need a model with a tokenizer")
+            texts.append(row["prompt"])
+            ids.append(list(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]))
+        else:
+            raise ValueError(f"{path}:{lineno}: expected a 'prompt' or 'prompt_ids' key")
+        if not ids[-1]:
+            raise ValueError(f"{path}:{lineno}: empty prompt")
+        if limit is not None and len(ids) >= limit:
+            break
+    if not ids:
+        raise ValueError(f"{path}: no prompts")
+    return texts, ids
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
+    parser.add_argument("--model", default="tiny-base", help="embedded model name or checkpoint / adapter dir")
+    parser.add_argument("--prompts", required=True, help='JSON lines: {"prompt": "..."} per line')
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=None, help="prompts per batch (default: all)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--mode-config", action="append", default=[], metavar="MODE:K=V,...",
+                        help="per-mode options, e.g. isd:stride=4,tau=0.5 (repeatable)")
+    parser.add_argument("--adapter", default=None, help="RISD adapter dir (PEFT format)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
+    return parser
+
+
+def _mode_configs(entries: list[str]) -> dict[str, dict[str, Any]]:
+    from selfspec.decoding.modes import normalize_mode, parse_option_string
+
+    out: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        mode, sep, opts = entry.partition(":")
+        if not sep:
+            raise ValueError(f"--mode-config {entry!r}: expected MODE:key=value,...")
+        out.setdefault(normalize_mode(mode), {}).update(parse_option_string(opts))
+    return out
+
+
+def run_benchmark(
+    engine,
+    prompt_ids: list[list[int]],
+    modes: list[str],
+    max_new_tokens: int = 128,
+    batch_size: int | None = None,
+    sampling=None,
+    seed: int = 0,
+    mode_configs: dict[str, dict[str, Any]] | None = None,
+    adapter: str | None = None,
+    log=print,
+) -> list[dict[str, Any]]:
+    """Run AR and the given modes on one engine; returns the per-mode result rows (schema above)."""
+    from selfspec.decoding.metrics import aggregate
+    from selfspec.decoding.modes import normalize_mode
+    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.step import ModeUnavailable
+
+    sampling = sampling or SamplingParams()
+    mode_configs = mode_configs or {}
+    order = ["ar"] + [m for m in (normalize_mode(x) for x in modes) if m != "ar"]
+    engine.generate([prompt_ids[0]], 4, sampling, seed=seed, stop_token_ids=None)  # warm-up
+    rows: list[dict[str, Any]] = []
+    ar_tokens: list[list[int]] | None = None
+    ar_wall: float | None = None
+    for mode in order:
+        row: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "config": None}
+        config = dict(mode_configs.get(mode, {}))
+        if mode == "risd" and adapter and "adapter" not in config:
+            config["adapter"] = adapter
+        try:
+            mode_obj = engine.build_mode(mode, config or None)
+            cfg_obj = getattr(mode_obj, "config", None)
+            row["config"] = dataclasses.asdict(cfg_obj) if dataclasses.is_dataclass(cfg_obj) else None
+            if mode_obj.greedy_only and not sampling.greedy:
+                raise ModeUnavailable(f"{mode.upper()} is greedy only; run it with --temperature 0")
+            start = time.perf_counter()
+            outs = engine.generate(prompt_ids, max_new_tokens, sampling, seed=seed, mode=mode_obj,
+                                   batch_size=batch_size)
+            wall = time.perf_counter() - start
+        except ModeUnavailable as exc:
+            row.update(status="skipped", reason=str(exc))
+            rows.append(row)
+            log(f"{mode:>7}: skipped ({exc})")
+            continue
+        except Exception as exc:  # noqa: BLE001 - report and go on with the other modes
+            row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
+            rows.append(row)
+            log(f"{mode:>7}: error ({type(exc).__name__}: {exc})")
+            continue
+        tokens = [o.token_ids for o in outs]
+        agg = aggregate(o.metrics for o in outs)
+        if mode == "ar":
+            ar_tokens, ar_wall = tokens, wall
+        total = sum(len(t) for t in tokens)
+        finish: dict[str, int] = {}
+        for o in outs:
+            finish[o.finish_reason] = finish.get(o.finish_reason, 0) + 1
+        row.update(
+            wall_s=wall,
+            tokens=total,
+            tokens_per_s=total / wall if wall > 0 else 0.0,
+            forwards=agg["forwards"],
+            tpf=agg["tokens_per_forward"],
+            wall_ratio_vs_ar=wall / ar_wall if ar_wall else None,
+            speedup_vs_ar=ar_wall / wall if ar_wall and wall > 0 else None,
+            exact_match_vs_ar=(sum(a == b for a, b in zip(tokens, ar_tokens)) / len(tokens)
+                               if sampling.greedy and ar_tokens is not None else None),
+            mean_accepted_length=agg["mean_accepted_length"],
+            compute_overhead=agg["compute_overhead"],
+            repetition_loops=sum(is_repetition_loop(t) for t in tokens),
+            accept_hist=agg["accept_hist"],
+            finish_reasons=finish,
+        )
+        rows.append(row)
+        log(f"{mode:>7}: {total} tokens in {wall:.2f}s, TPF {row['tpf']:.2f}")
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ["mode", "status", "TPF", "tok/s", "wall/AR", "speedup", "exact", "acc.len", "overhead", "loops"]
+    lines = [head]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append([r["mode"], r["status"]] + ["-"] * (len(head) - 2))
+            continue
+        exact = "-" if r["exact_match_vs_ar"] is None else f"{100 * r['exact_match_vs_ar']:.0f}%"
+        lines.append([
+            r["mode"], "ok", f"{r['tpf']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['wall_ratio_vs_ar']:.2f}",
+            f"{r['speedup_vs_ar']:.2f}x", exact, f"{r['mean_accepted_length']:.2f}", f"{r['compute_overhead']:.2f}",
+            str(r["repetition_loops"]),
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
+    for r in rows:
+        if r["status"] != "ok":
+            out.append(f"{r['mode']}: {r['status']}: {r['reason']}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.engines.hf import HFEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    engine = HFEngine.from_pretrained(args.model, dtype=dtype, device=args.device)
+    _, prompt_ids = load_prompts(args.prompts, engine.tokenizer, args.limit)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k))
+    rows = run_benchmark(engine, prompt_ids, modes, args.max_new_tokens, args.batch_size, sampling, args.seed,
+                         _mode_configs(args.mode_config), args.adapter, log=log)
+    result = {
+        "schema": SCHEMA,
+        "model": str(args.model),
+        "prompts_file": str(args.prompts),
+        "num_prompts": len(prompt_ids),
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "sampling": dataclasses.asdict(sampling),
+        "seed": args.seed,
+        "device": str(engine.device),
+        "dtype": args.dtype,
+        "torch_threads": torch.get_num_threads(),
+        "modes": rows,
+    }
+    print(format_table(rows))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    return 1 if any(r["status"] == "error" for r in rows) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="selfspec bench offline", description=__doc__.split("\n")[0]))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

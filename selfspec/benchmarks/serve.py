@@ -1,0 +1,443 @@
+"""Served benchmark: each mode behind a real SGLang server, driven like users drive it.
+
+    selfspec bench serve --modes ar,ngram,isd,risd,jacobi,sjd --model M --concurrency 1,4,16 \\
+        --prompts FILE.jsonl [--max-tokens 64] [--json OUT] [--plot OUT.png]
+
+For every mode in turn (AR first: it is the reference) one server is started
+(`selfspec.serving.ServerProcess`; on a machine without CUDA the CPU flags are added), then the
+prompts are sent through the OpenAI client at each concurrency level (a closed loop of C
+workers, streaming, so time to first token and time per output token are measured per request).
+SGLang's builtin draft-free NGRAM is the mode users would otherwise pick, so it runs beside AR.
+With genai-bench installed (`--genai-bench auto`, the default) the same server is also measured
+by genai-bench at the same concurrencies (synthetic D(input, output) traffic), the load
+generator users run; its headline numbers are stored beside ours.
+
+Reported per mode and concurrency: output tokens/s (all requests' completion tokens over the
+wall time of the level), TPOT p50 / p99 (per request: (end - first token) / (tokens - 1)),
+TTFT p50, TPF (tokens per forward, prefill included: completion tokens / (decode forwards + 1),
+from the response's speculative details, or the server's aggregate), and the ratio of output
+tokens/s to AR's at the same concurrency measured in the same run.
+
+JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
+
+    {"schema": ..., "model": str, "prompts_file": str, "num_prompts": int, "max_tokens": int,
+     "temperature": float, "concurrency": [int], "device": "cpu" | "cuda", "genai_bench": bool,
+     "results": [{"mode": str, "status": "ok" | "skipped" | "error", "reason": str | null,
+                  "server_args": [str], "startup_s": float,
+                  "levels": [{"concurrency": int, "requests": int, "tokens": int, "wall_s": float,
+                              "output_tok_s": float, "tpot_ms_p50": float, "tpot_ms_p99": float,
+                              "ttft_ms_p50": float, "tpf": float | null, "ratio_vs_ar": float | null,
+                              "errors": int,
+                              "genai_bench": {"output_tok_s": float, "tpot_ms_p50": float, ...} | null}]}]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "selfspec.bench.serve/v1"
+DEFAULT_MODES = "ar,ngram,isd,risd,jacobi,sjd"
+MODE_ARGS: dict[str, list[str]] = {
+    "ar": [],
+    "ngram": ["--speculative-algorithm", "NGRAM"],
+    "isd": ["--speculative-algorithm", "ISD"],
+    "risd": ["--speculative-algorithm", "RISD"],
+    "jacobi": ["--speculative-algorithm", "JACOBI"],
+    "sjd": ["--speculative-algorithm", "SJD"],
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--modes", default=DEFAULT_MODES,
+                        help=f"comma-separated modes (default {DEFAULT_MODES}); ar always runs first")
+    parser.add_argument("--model", default="tiny-base", help="embedded model name or checkpoint directory")
+    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrency levels")
+    parser.add_argument("--prompts", default=None,
+                        help="JSON lines with {\"prompt\": text} (default: bench/prompts/heldout.jsonl)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="prompts sent per concurrency level")
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (JACOBI is greedy only)")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens tokens")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    parser.add_argument("--plot", default=None, metavar="OUT.png", help="throughput-versus-latency plot")
+    parser.add_argument("--lora", default=None, metavar="DIR",
+                        help="RISD adapter (default: the checkpoint's selfspec.json; without one RISD is skipped)")
+    parser.add_argument("--mode-args", action="append", default=[], metavar="MODE=ARGS",
+                        help="extra SGLang/selfspec flags for one mode, e.g. --mode-args 'isd=--selfspec-stride 3' "
+                        "(repeatable)")
+    parser.add_argument("--server-args", default="", metavar="ARGS", help="extra SGLang flags for every server")
+    parser.add_argument("--genai-bench", choices=("auto", "on", "off"), default="auto",
+                        help="also measure with genai-bench (auto: when installed)")
+    parser.add_argument("--cpu-threads", type=int, default=1,
+                        help="without CUDA: OpenMP threads per server process (default 1; more threads that "
+                        "wait on each other slow a small shared machine down)")
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--log-dir", default=None, help="keep server and genai-bench logs here")
+
+
+# ---------------------------------------------------------------------------------- one level
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def _one_request(client, prompt: str, max_tokens: int, temperature: float, ignore_eos: bool) -> dict:
+    t0 = time.perf_counter()
+    first = None
+    tokens = None
+    details = None
+    extra = {"return_spec_tokens_details": True}
+    if ignore_eos:
+        extra["ignore_eos"] = True
+    stream = client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                       stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        d = getattr(chunk, "sglext", None) or (chunk.model_extra or {}).get("sglext")
+        if d:
+            details = d
+    end = time.perf_counter()
+    first = first or end
+    n = int(tokens or 0)
+    out = {"e2e": end - t0, "ttft": first - t0, "tokens": n,
+           "tpot": (end - first) / (n - 1) if n > 1 else float("nan")}
+    spec = None
+    if isinstance(details, dict):
+        spec = details.get("spec_tokens_details") or details
+    if isinstance(spec, dict) and spec.get("spec_verify_ct"):
+        out["verify_ct"] = int(spec["spec_verify_ct"])
+    return out
+
+
+def server_stats(base_url: str) -> dict:
+    try:
+        with urllib.request.urlopen(base_url + "/server_info", timeout=30) as r:
+            st = (json.loads(r.read()).get("internal_states") or [{}])[0]
+    except Exception:
+        return {}
+    return {"selfspec": st.get("selfspec"), "avg_spec_accept_length": st.get("avg_spec_accept_length")}
+
+
+def run_level(base_url: str, prompts: list[str], concurrency: int, max_tokens: int, temperature: float,
+              ignore_eos: bool) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    results: list[dict] = []
+    errors = []
+    lock = threading.Lock()
+    queue = list(prompts)
+
+    def worker():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                p = queue.pop(0)
+            try:
+                r = _one_request(client, p, max_tokens, temperature, ignore_eos)
+                with lock:
+                    results.append(r)
+            except Exception as e:  # recorded, the level continues
+                with lock:
+                    errors.append(repr(e))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as ex:
+        for _ in range(concurrency):
+            ex.submit(worker)
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    tpots = [r["tpot"] * 1e3 for r in results if r["tpot"] == r["tpot"]]
+    level = {
+        "concurrency": concurrency, "requests": len(results), "tokens": tokens, "wall_s": wall,
+        "output_tok_s": tokens / wall if wall > 0 else 0.0,
+        "tpot_ms_p50": _percentile(tpots, 0.5), "tpot_ms_p99": _percentile(tpots, 0.99),
+        "ttft_ms_p50": _percentile([r["ttft"] * 1e3 for r in results], 0.5),
+        "errors": len(errors), "first_error": errors[0] if errors else None,
+    }
+    if any("verify_ct" in r for r in results):  # a request that ended at its prefill reports no details
+        level["tpf"] = tokens / sum(r.get("verify_ct", 0) + 1 for r in results)
+    return level
+
+
+def _tpf_from_stats(before: dict, after: dict) -> float | None:
+    a, b = after.get("selfspec"), before.get("selfspec")
+    if a and b is not None:
+        forwards = a["forwards"] - (b or {}).get("forwards", 0)
+        committed = a["committed_tokens"] - (b or {}).get("committed_tokens", 0)
+        return committed / forwards if forwards > 0 else None
+    return None
+
+
+# ---------------------------------------------------------------------------------- genai-bench
+def genai_bench_available() -> bool:
+    return shutil.which("genai-bench") is not None or (Path(sys.executable).parent / "genai-bench").exists()
+
+
+def run_genai_bench(base_url: str, tokenizer_dir: str, concurrency: list[int], input_tokens: int, max_tokens: int,
+                    num_requests: int, workdir: Path, timeout: float = 3600) -> dict[int, dict]:
+    """Run genai-bench once over all levels; returns {concurrency: headline metrics}."""
+    exe = shutil.which("genai-bench") or str(Path(sys.executable).parent / "genai-bench")
+    cmd = [exe, "benchmark", "--api-backend", "openai", "--api-base", base_url, "--api-key", "none",
+           "--api-model-name", "default", "--model-tokenizer", tokenizer_dir, "--task", "text-to-text",
+           "--traffic-scenario", f"D({max(1, input_tokens)},{max_tokens})", "--server-engine", "SGLang",
+           "--max-time-per-run", "5", "--max-requests-per-run", str(num_requests),
+           "--experiment-base-dir", str(workdir)]
+    for c in concurrency:
+        cmd += ["--num-concurrency", str(c)]
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / "genai-bench.log", "w") as log:
+        subprocess.run(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    out: dict[int, dict] = {}
+    for f in workdir.rglob("*.json"):
+        try:
+            data = json.loads(f.read_text())
+        except Exception:
+            continue
+        agg = data.get("aggregated_metrics") if isinstance(data, dict) else None
+        if not isinstance(agg, dict):
+            continue
+        c = agg.get("num_concurrency") or (data.get("num_concurrency") if isinstance(data, dict) else None)
+        if c is None:
+            continue
+        stats = agg.get("stats") or {}
+        tpot = (stats.get("tpot") or {}) if isinstance(stats, dict) else {}
+        out[int(c)] = {
+            "output_tok_s": agg.get("mean_output_throughput_tokens_per_s"),
+            "tpot_ms_p50": (tpot.get("p50") * 1e3) if isinstance(tpot.get("p50"), (int, float)) else None,
+            "tpot_ms_p99": (tpot.get("p99") * 1e3) if isinstance(tpot.get("p99"), (int, float)) else None,
+            "error_rate": agg.get("error_rate"),
+            "file": str(f),
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------- driver
+def load_prompt_texts(path: str | Path) -> list[str]:
+    texts = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            texts.append(row["prompt"])
+    if not texts:
+        raise SystemExit(f"no prompts in {path}")
+    return texts
+
+
+def level_prompts(texts: list[str], level_index: int, count: int) -> list[str]:
+    """The prompts of one concurrency level: consecutive windows of the file (cycling), so a mode
+    that learns from its own outputs (NGRAM's corpus) does not see the same prompt twice when the
+    file is long enough; every mode gets the same window at the same level."""
+    start = (level_index * count) % len(texts)
+    return [texts[(start + i) % len(texts)] for i in range(count)]
+
+
+def _mode_extra(mode: str, args, model_dir: Path) -> tuple[list[str] | None, str | None]:
+    extra = list(MODE_ARGS[mode])
+    for spec in args.mode_args:
+        name, _, rest = spec.partition("=")
+        if name.strip().lower() == mode:
+            extra += shlex.split(rest)
+    if mode == "risd" and "--selfspec-lora" not in extra:
+        lora = args.lora
+        if lora is None:
+            from selfspec.decoding.metadata import load_metadata
+
+            meta = load_metadata(model_dir)
+            lora = meta.adapter_path if meta is not None else None
+        if lora is None:
+            return None, "no RISD adapter: pass --lora DIR or name one in the checkpoint's selfspec.json"
+        extra += ["--selfspec-lora", str(lora)]
+    if mode == "jacobi" and args.temperature > 0:
+        return None, "JACOBI is greedy only (temperature > 0 requested)"
+    return extra + shlex.split(args.server_args), None
+
+
+def run(args: argparse.Namespace) -> int:
+    from selfspec.models import resolve_model
+    from selfspec.serving import ServerProcess, ServerSpec, cuda_available, free_port
+
+    modes = [m.strip().lower() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODE_ARGS]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODE_ARGS)}")
+    if "ar" in modes:
+        modes.remove("ar")
+    modes = ["ar"] + modes
+    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    model_dir = resolve_model(args.model)
+    prompts_file = args.prompts or str(Path(__file__).resolve().parents[2] / "bench" / "prompts" / "heldout.jsonl")
+    all_prompts = load_prompt_texts(prompts_file)
+    prompts = level_prompts(all_prompts, 0, args.num_prompts)
+    use_genai = args.genai_bench == "on" or (args.genai_bench == "auto" and genai_bench_available())
+    if args.genai_bench == "on" and not genai_bench_available():
+        raise SystemExit("--genai-bench on, but genai-bench is not installed (pip install genai-bench)")
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="selfspec-bench-serve-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    gpu = cuda_available()
+    input_tokens = _mean_prompt_tokens(model_dir, prompts) if use_genai else 0
+
+    report: dict[str, Any] = {
+        "schema": SCHEMA, "model": str(model_dir), "prompts_file": str(prompts_file), "num_prompts": len(prompts),
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "concurrency": levels,
+        "device": "cuda" if gpu else "cpu", "genai_bench": use_genai, "log_dir": str(log_dir), "results": [],
+    }
+    env_backup = os.environ.get("OMP_NUM_THREADS")
+    if not gpu and args.cpu_threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.cpu_threads)
+    try:
+        for mode in modes:
+            report["results"].append(_bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai,
+                                                 input_tokens, ServerProcess, ServerSpec, free_port))
+    finally:
+        if env_backup is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_backup
+
+    ar = next((r for r in report["results"] if r["mode"] == "ar" and r["status"] == "ok"), None)
+    ar_by_c = {lv["concurrency"]: lv["output_tok_s"] for lv in (ar["levels"] if ar else [])}
+    for r in report["results"]:
+        for lv in r.get("levels", []):
+            base = ar_by_c.get(lv["concurrency"])
+            lv["ratio_vs_ar"] = lv["output_tok_s"] / base if base else None
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 1 if any(r["status"] == "error" for r in report["results"]) else 0
+
+
+def _mean_prompt_tokens(model_dir: Path, prompts: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return int(round(statistics.mean(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)))
+
+
+def _bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai, input_tokens,
+                ServerProcess, ServerSpec, free_port) -> dict:
+    extra, skip = _mode_extra(mode, args, model_dir)
+    row: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "server_args": extra or [], "levels": []}
+    if skip:
+        row.update(status="skipped", reason=skip)
+        print(f"[bench serve] {mode}: skipped ({skip})", file=sys.stderr)
+        return row
+    log = log_dir / f"server-{mode}.log"
+    proc = ServerProcess(ServerSpec(str(model_dir), port=free_port(), extra_args=extra), log_path=log,
+                         startup_timeout=args.startup_timeout)
+    t0 = time.perf_counter()
+    try:
+        proc.start()
+    except Exception as e:
+        tail = log.read_text()[-3000:] if log.exists() else ""
+        row.update(status="error", reason=f"server did not start: {e}\n{tail}")
+        print(f"[bench serve] {mode}: server did not start; see {log}", file=sys.stderr)
+        proc.stop()
+        return row
+    row["startup_s"] = time.perf_counter() - t0
+    try:
+        run_level(proc.base_url, ["def warmup():\n"] * 2, 1, min(8, args.max_tokens), args.temperature,
+                  False)  # warm-up
+        for i, c in enumerate(levels):
+            prompts = level_prompts(all_prompts, i, args.num_prompts)
+            before = server_stats(proc.base_url)
+            lv = run_level(proc.base_url, prompts, c, args.max_tokens, args.temperature, args.ignore_eos)
+            after = server_stats(proc.base_url)
+            if "tpf" not in lv:
+                lv["tpf"] = 1.0 if mode == "ar" else _tpf_from_stats(before, after)
+            lv["genai_bench"] = None
+            row["levels"].append(lv)
+            print(f"[bench serve] {mode:6s} C={c:<3d} {lv['output_tok_s']:8.1f} tok/s  TPOT p50 "
+                  f"{lv['tpot_ms_p50']:7.1f} ms  TPF {lv['tpf'] if lv['tpf'] is not None else float('nan'):.2f}",
+                  file=sys.stderr)
+        if use_genai:
+            try:
+                gb = run_genai_bench(proc.base_url, str(model_dir), levels, input_tokens, args.max_tokens,
+                                     args.num_prompts, log_dir / f"genai-bench-{mode}")
+                for lv in row["levels"]:
+                    lv["genai_bench"] = gb.get(lv["concurrency"])
+            except Exception as e:  # genai-bench is a second opinion; never fail the run on it
+                row["genai_bench_error"] = repr(e)
+    except Exception as e:
+        row.update(status="error", reason=repr(e))
+    finally:
+        proc.stop()
+    return row
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'mode':8s} {'C':>4s} {'tok/s':>9s} {'xAR':>6s} {'TPOT p50':>9s} {'TPOT p99':>9s} {'TPF':>5s}"
+             f" {'genai tok/s':>11s}"]
+    for r in report["results"]:
+        if r["status"] != "ok":
+            lines.append(f"{r['mode']:8s} {r['status']}: {str(r['reason']).splitlines()[0] if r['reason'] else ''}")
+            continue
+        for lv in r["levels"]:
+            ratio = f"{lv['ratio_vs_ar']:.2f}" if lv.get("ratio_vs_ar") else "  -"
+            tpf = f"{lv['tpf']:.2f}" if lv.get("tpf") is not None else "  -"
+            gb = (lv.get("genai_bench") or {}).get("output_tok_s")
+            gbs = f"{gb:11.1f}" if isinstance(gb, (int, float)) else f"{'-':>11s}"
+            lines.append(f"{r['mode']:8s} {lv['concurrency']:4d} {lv['output_tok_s']:9.1f} {ratio:>6s} "
+                         f"{lv['tpot_ms_p50']:9.1f} {lv['tpot_ms_p99']:9.1f} {tpf:>5s} {gbs}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in report["results"]:
+        if r["status"] != "ok" or not r["levels"]:
+            continue
+        xs = [lv["tpot_ms_p50"] for lv in r["levels"]]
+        ys = [lv["output_tok_s"] for lv in r["levels"]]
+        ax.plot(xs, ys, marker="o", label=r["mode"])
+        for lv, x, y in zip(r["levels"], xs, ys):
+            ax.annotate(f"C={lv['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("TPOT p50 (ms per output token, lower is better)")
+    ax.set_ylabel("output tokens/s (higher is better)")
+    ax.set_title(f"selfspec modes served by SGLang: {Path(report['model']).name} ({report['device']})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="selfspec bench serve", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

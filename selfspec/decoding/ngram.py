@@ -1,0 +1,97 @@
+"""Prompt-lookup n-gram speculation: the draft-free baseline of the benchmarks.
+
+Draft: find the latest earlier occurrence of the last m committed tokens (m = 3, then 2) in
+the sequence's own history (prompt + output) and propose the k tokens that followed it. One
+step is a causal forward over [pending, d_1 … d_j] (j <= k; j = 0 is a plain AR step); the
+drafts are verified with the shared rules (greedy prefix, or p/q with one-hot q when sampling,
+which keeps AR's distribution) and the corrected / bonus token is emitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.decoding.step import (
+    DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
+)
+
+
+@dataclass
+class NgramConfig:
+    num_draft: int = 4  # k
+    match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
+
+    def __post_init__(self) -> None:
+        self.match_sizes = tuple(sorted({int(m) for m in self.match_sizes}, reverse=True))
+        if self.num_draft < 1 or not self.match_sizes or min(self.match_sizes) < 1:
+            raise ValueError("ngram needs num_draft >= 1 and match sizes >= 1")
+
+
+class SuffixIndex:
+    """Latest end position of every m-gram of a growing token list, for each m in sizes."""
+
+    def __init__(self, sizes: tuple[int, ...]):
+        self.sizes = sizes
+        self.last_end: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in sizes}
+        self.indexed = 0  # m-grams ending before this position are indexed
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of history's suffix."""
+        end = len(history) - 1  # the suffix ends at `end`; index m-grams ending before it
+        for pos in range(self.indexed, end):
+            for m in self.sizes:
+                if pos - m + 1 >= 0:
+                    self.last_end[m][tuple(history[pos - m + 1 : pos + 1])] = pos
+        self.indexed = max(self.indexed, end)
+        for m in self.sizes:
+            if end - m + 1 < 0:
+                continue
+            hit = self.last_end[m].get(tuple(history[end - m + 1 : end + 1]))
+            if hit is not None:
+                return list(history[hit + 1 : min(hit + 1 + k, end + 1)])
+        return []
+
+
+def propose_ngram(history: list[int], k: int, sizes: tuple[int, ...] = (3, 2)) -> list[int]:
+    """Stateless form of `SuffixIndex.propose` (for tests and one-off use)."""
+    return SuffixIndex(tuple(sorted(sizes, reverse=True))).propose(history, k)
+
+
+@dataclass
+class NgramState:
+    index: SuffixIndex
+    drafts: list[int] = field(default_factory=list)
+
+
+class NgramMode(Mode):
+    name = "ngram"
+
+    def __init__(self, config: NgramConfig):
+        self.config = config
+        self.seeds_per_step = config.num_draft + 1
+        self.max_width = config.num_draft + 1
+
+    def start(self, seq: DecodeSequence) -> None:
+        seq.state = NgramState(SuffixIndex(self.config.match_sizes))
+
+    def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
+        out = []
+        for s in seqs:
+            s.state.drafts = s.state.index.propose(s.history, self.config.num_draft)
+            out.append(StepLayout([s.pending, *s.state.drafts]))
+        return out
+
+    def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
+        depth = logits.shape[1] - 1  # the longest draft in this batch
+        device = logits.device
+        drafts = torch.tensor([s.state.drafts + [0] * (depth - len(s.state.drafts)) for s in seqs],
+                              dtype=torch.long, device=device)
+        num = torch.tensor([len(s.state.drafts) for s in seqs], dtype=torch.long, device=device)
+        target = logits
+        result = verify_drafts(target, drafts, num, ctx)
+        outcomes = []
+        for s, a, t in zip(seqs, result.accept_len.tolist(), result.next_tokens.tolist()):
+            outcomes.append(StepOutcome(s.state.drafts[:a] + [t], list(range(a + 1)), a))
+        return outcomes

@@ -1,0 +1,178 @@
+"""What one decoding step is, independent of the engine that runs it.
+
+Every mode works on sequences whose committed tokens (`history`) end with the *pending*
+token: emitted, but its KV not yet cached; it sits at position len(history) - 1, right after
+the cached prefix. A step is:
+
+1. `Mode.layouts(seqs)` -> one `StepLayout` per sequence: the query tokens of this forward
+   (token 0 is always the pending token), their position offsets from the pending token, the
+   visibility among them (`branch`: 0 = shared trunk seen by everyone after it; equal ids see
+   each other causally; so all-zero is plain causal attention, distinct ids make a tree of
+   branches over the trunk), and the per-token LoRA gate (RISD).
+2. The engine runs one forward over `collate(layouts)` with the cached prefix visible to every
+   query and returns logits [B, W, V] (row i predicts the token after query token i).
+3. `Mode.finish(seqs, batch, logits, ctx)` verifies with the rules of `selfspec.decoding.verify`
+   and returns one `StepOutcome` per sequence: the tokens to emit (accepted drafts plus the
+   corrected / bonus token, whose last one is the next pending token) and `keep`, the step
+   indices whose KV joins the cached prefix, in order (the old pending token plus the accepted
+   drafts: len(keep) == len(emit)). Everything else the step computed is dropped.
+The mode updates `seq.state` inside `finish`; the engine then extends `seq.history`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.verify import VerifyResult, greedy_verify, speculative_verify
+
+
+@dataclass
+class DecodeSequence:
+    history: list[int]  # prompt + emitted tokens; the last one is the pending token
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    state: Any = None
+
+    @property
+    def pending(self) -> int:
+        return self.history[-1]
+
+
+@dataclass
+class StepLayout:
+    tokens: list[int]
+    offsets: list[int] | None = None  # position offset from the pending token; None: 0..W-1
+    branch: list[int] | None = None  # visibility groups (see module doc); None: causal
+    gate: list[bool] | None = None  # LoRA on at these tokens (RISD [MASK] positions)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class StepBatch:
+    tokens: torch.Tensor  # [B, W] long
+    offsets: torch.Tensor  # [B, W] long
+    local: torch.Tensor  # [B, W, W] bool: query i sees step token j
+    gate: torch.Tensor | None  # [B, W] bool, or None when no layout gates
+    widths: list[int]  # real tokens per row (batch padding excluded)
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+
+def branch_visibility(branch: torch.Tensor) -> torch.Tensor:
+    """[..., W] branch ids -> [..., W, W] bool: j <= i and (branch[j] == 0 or same branch)."""
+    width = branch.shape[-1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=branch.device).tril()
+    bi, bj = branch.unsqueeze(-1), branch.unsqueeze(-2)
+    return causal & ((bj == 0) | (bj == bi))
+
+
+def collate(layouts: list[StepLayout], pad_token: int = 0, device=None) -> StepBatch:
+    """Pad layouts to one width. Batch padding goes after every real token (branch -1), so no
+    real query sees it, and it sees only the trunk and itself (no fully masked rows)."""
+    width = max(len(lay) for lay in layouts)
+    bsz = len(layouts)
+    tokens = torch.full((bsz, width), pad_token, dtype=torch.long)
+    offsets = torch.arange(width).repeat(bsz, 1)
+    branch = torch.full((bsz, width), -1, dtype=torch.long)
+    any_gate = any(lay.gate is not None for lay in layouts)
+    gate = torch.zeros((bsz, width), dtype=torch.bool) if any_gate else None
+    for b, lay in enumerate(layouts):
+        n = len(lay)
+        tokens[b, :n] = torch.tensor(lay.tokens, dtype=torch.long)
+        if lay.offsets is not None:
+            offsets[b, :n] = torch.tensor(lay.offsets, dtype=torch.long)
+        branch[b, :n] = 0 if lay.branch is None else torch.tensor(lay.branch, dtype=torch.long)
+        if gate is not None and lay.gate is not None:
+            gate[b, :n] = torch.tensor(lay.gate, dtype=torch.bool)
+    batch = StepBatch(tokens, offsets, branch_visibility(branch), gate, [len(lay) for lay in layouts])
+    if device is not None:
+        batch.tokens, batch.offsets, batch.local = (t.to(device) for t in (batch.tokens, batch.offsets, batch.local))
+        if batch.gate is not None:
+            batch.gate = batch.gate.to(device)
+    return batch
+
+
+@dataclass
+class StepContext:
+    """Per-row sampling settings and this step's seeds (see `selfspec.decoding.seeds`)."""
+
+    temperature: torch.Tensor  # [B] float
+    top_k: torch.Tensor  # [B] long
+    top_p: torch.Tensor  # [B] float
+    seeds: torch.Tensor  # [B, Mode.seeds_per_step] long
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.temperature <= 0
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+    @staticmethod
+    def from_params(params: list[SamplingParams], seeds: torch.Tensor) -> StepContext:
+        dev = seeds.device
+        return StepContext(
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            seeds,
+        )
+
+
+@dataclass
+class StepOutcome:
+    emit: list[int]  # new tokens; emit[-1] becomes the pending token
+    keep: list[int]  # step indices whose KV is cached, in order; len(keep) == len(emit)
+    accepted: int = 0  # drafts accepted this step (len(emit) - 1 for draft-verify modes)
+
+
+def verify_drafts(
+    target_logits: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    ctx: StepContext,
+    tau: float = 0.0,
+    draft_probs: torch.Tensor | None = None,
+) -> VerifyResult:
+    """The verify rule for a batch: greedy prefix acceptance when every row is greedy,
+    otherwise p/q speculative acceptance (greedy rows then reduce to the greedy rule, since p
+    is one-hot). Uses seeds ctx.seeds[:, :D+1] (the verify contract's per-position seeds)."""
+    if ctx.all_greedy:
+        return greedy_verify(target_logits, drafts, num_drafts)
+    depth = drafts.shape[1]
+    return speculative_verify(
+        target_logits, drafts, num_drafts, ctx.seeds[:, : depth + 1],
+        ctx.temperature, ctx.top_k, ctx.top_p, tau, draft_probs,
+    )
+
+
+class Mode:
+    """Base class of the decoding modes (see module doc for the step protocol)."""
+
+    name = "base"
+    seeds_per_step = 1
+    greedy_only = False
+    max_width = 1  # most query tokens a layout can have (sizes the engine's buffers)
+
+    def start(self, seq: DecodeSequence) -> None:
+        """Called once after prefill, when the first generated token is the pending token."""
+
+    def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
+        raise NotImplementedError
+
+    def finish(
+        self, seqs: list[DecodeSequence], batch: StepBatch, logits: torch.Tensor, ctx: StepContext
+    ) -> list[StepOutcome]:
+        raise NotImplementedError
+
+
+class ModeUnavailable(ValueError):
+    """The model cannot run this mode (no mask token, no adapter, ...); the message says why."""

@@ -1,0 +1,90 @@
+"""`--selfspec-*` flags on SGLang's own command line (`python -m sglang.launch_server`, `sglang serve`).
+
+Installed through SGLang's HookRegistry by the plugin (no patched files):
+- after `ServerArgs.add_cli_args`: an argument group "selfspec" (so `--help` lists the flags);
+- around `ServerArgs.from_cli_args`: the flags are taken off the parsed namespace and published
+  as JSON in `SELFSPEC_SERVER_FLAGS`; SGLang's scheduler processes are spawned later from this
+  process and inherit it. A `--selfspec-config` preset that names its mode also supplies
+  `--speculative-algorithm` when that flag is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from selfspec.sglang_ext import config as cfgmod
+
+_DESTS = ("selfspec_config", "selfspec_stride", "selfspec_tau", "selfspec_mask_token_id", "selfspec_lora",
+          "selfspec_options")
+
+
+def add_selfspec_args(parser: argparse.ArgumentParser) -> None:
+    if any(a.dest == "selfspec_config" for a in parser._actions):
+        return
+    g = parser.add_argument_group(
+        "selfspec", "Self-speculative decoding (--speculative-algorithm ISD | RISD | JACOBI | SJD). Defaults come "
+        "from the checkpoint's selfspec.json, then the mode's defaults.")
+    g.add_argument("--selfspec-config", default=None, metavar="FILE.yaml",
+                   help="mode options in one YAML file (presets: serving_configs/*.yaml); flags below override it")
+    g.add_argument("--selfspec-stride", type=int, default=None, metavar="N",
+                   help="ISD/RISD stride N: up to N tokens per step, 2N-1 query tokens")
+    g.add_argument("--selfspec-tau", type=float, default=None, metavar="TAU",
+                   help="ISD/RISD relaxed acceptance min(1,(1+tau)p/q); 0 keeps the AR distribution")
+    g.add_argument("--selfspec-mask-token-id", type=int, default=None, metavar="ID",
+                   help="ISD/RISD [MASK] token id (default: selfspec.json, then the tokenizer's mask token)")
+    g.add_argument("--selfspec-lora", default=None, metavar="DIR",
+                   help="RISD gated LoRA adapter (PEFT directory; default: selfspec.json 'adapter')")
+    g.add_argument("--selfspec-options", default=None, metavar="K=V,...",
+                   help="any option of the mode's decoding config, e.g. 'block_size=16,num_blocks=2' (JACOBI) "
+                   "or 'window=8' (SJD)")
+
+
+def flags_from_namespace(args: argparse.Namespace) -> dict[str, Any]:
+    from selfspec.decoding.modes import parse_option_string
+
+    out: dict[str, Any] = {}
+    if getattr(args, "selfspec_config", None):
+        out["config"] = os.path.abspath(os.path.expanduser(args.selfspec_config))
+    for key in ("stride", "tau", "mask_token_id", "lora"):
+        v = getattr(args, "selfspec_" + key, None)
+        if v is not None:
+            out[key] = os.path.abspath(os.path.expanduser(v)) if key == "lora" else v
+    if getattr(args, "selfspec_options", None):
+        try:
+            out["options"] = parse_option_string(args.selfspec_options)
+        except ValueError as e:
+            raise cfgmod.SelfSpecConfigError(f"[selfspec] --selfspec-options: {e}") from None
+    return out
+
+
+def _after_add_cli_args(result, parser, *args, **kwargs):
+    add_selfspec_args(parser)
+    return result
+
+
+def _around_from_cli_args(original, *args, **kwargs):
+    ns = kwargs.get("args")
+    if ns is None:
+        ns = next((a for a in args if isinstance(a, argparse.Namespace)), None)
+    if ns is not None:
+        flags = flags_from_namespace(ns)
+        if flags:
+            os.environ[cfgmod.FLAGS_ENV] = json.dumps(flags)
+            if flags.get("config") and not getattr(ns, "speculative_algorithm", None):
+                mode = cfgmod.load_yaml_config(flags["config"]).get("mode")
+                if mode:
+                    ns.speculative_algorithm = str(mode).upper()
+        for d in _DESTS:
+            if hasattr(ns, d):
+                delattr(ns, d)
+    return original(*args, **kwargs)
+
+
+def install() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args, HookType.AROUND)

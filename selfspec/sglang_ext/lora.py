@@ -1,0 +1,339 @@
+"""RISD: per-token gated LoRA inside SGLang's own linear layers.
+
+An RISD forward must give the verify positions exactly the base model (so their logits are the
+AR distribution and their KV is the base model's KV), and the [MASK] positions base + LoRA.
+SGLang fuses the HF projections (q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`), so a PEFT
+adapter is mapped onto the fused layers: the LoRA A matrices of the fused parts are stacked
+and their B matrices placed block-diagonally (scaling folded in), which gives each part's delta
+on its own output slice and exact zeros elsewhere.
+
+Installation (no patched files): the plugin registers AROUND hooks on SGLang's
+`UnquantizedLinearMethod.apply` / `apply_into` and `UnquantizedEmbeddingMethod.embedding`; the
+worker attaches the adapter tensors to the target layers (`attach_to_sglang_model`) and sets the
+per-forward gate (`gate(handle, mask)`, mask [bs, W] bool, True at MASK positions). A layer
+without an adapter, or a forward without a gate (prefill, other modes), runs the original
+method untouched. With a gate, the output is `where(gate, gated_lora_linear(x, W, b, A, B, s,
+gate), original(x))`: gated-off rows are the original method's output bit for bit on every
+device, and the gated rows come from `selfspec.kernels.gated_lora.gated_lora_linear` (Triton
+on CUDA, the torch reference on CPU). Every op is shape-static, so the path can be captured in
+SGLang's target-verify CUDA graph (the gate then lives in a persistent buffer).
+
+Supported adapter contents: LoRA on q/k/v/o/gate/up/down projections, and PEFT embedding
+updates of `embed_tokens` (`trainable_token_indices` rows, or `modules_to_save`), used at gated
+tokens only. Not supported (refused at startup): LoRA on lm_head / embeddings, DoRA, tensor
+parallelism > 1.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LoRAAttachError(ValueError):
+    pass
+
+
+@dataclass
+class LayerLoRA:
+    lora_a: torch.Tensor  # [r_total, in]
+    lora_b: torch.Tensor  # [out, r_total], scaling folded in
+
+
+@dataclass
+class EmbeddingUpdate:
+    weight: torch.Tensor  # [vocab, hidden] adapted table (used at gated tokens only)
+
+
+class _GateState(threading.local):
+    mask: torch.Tensor | None = None  # [T] bool over the forward's tokens
+
+
+_STATE = _GateState()
+
+
+class GatedLoRAHandle:
+    """What the worker keeps: the attached layers (for logging) and the gate buffer."""
+
+    def __init__(self, layers: dict[str, LayerLoRA], embeddings: dict[str, EmbeddingUpdate], adapter: str):
+        self.layers = layers
+        self.embeddings = embeddings
+        self.adapter = adapter
+
+    def __repr__(self) -> str:
+        return f"GatedLoRAHandle({self.adapter}: {len(self.layers)} layers, {len(self.embeddings)} embeddings)"
+
+
+#: CUDA graphs: a persistent gate buffer. Captured target-verify graphs read their gate from a
+#: slice of it (`_capture_around`), so each replay sees the gate the worker wrote before it.
+_GRAPH_GATE: torch.Tensor | None = None
+
+
+def set_graph_gate_buffer(buffer: torch.Tensor | None) -> None:
+    global _GRAPH_GATE
+    _GRAPH_GATE = buffer
+
+
+@contextmanager
+def gate(handle: GatedLoRAHandle | None, mask: torch.Tensor | None):
+    """Turn the adapter on at `mask` (any shape; flattened to the forward's token order)."""
+    if handle is None or mask is None:
+        yield
+        return
+    prev = _STATE.mask
+    flat = mask.reshape(-1).to(torch.bool)
+    if _GRAPH_GATE is not None and flat.numel() <= _GRAPH_GATE.numel():
+        # graph replay reads the buffer (padded rows stay off); eager forwards read the same slice
+        _GRAPH_GATE.zero_()
+        _GRAPH_GATE[: flat.numel()].copy_(flat, non_blocking=True)
+        flat = _GRAPH_GATE[: flat.numel()]
+    _STATE.mask = flat
+    try:
+        yield
+    finally:
+        _STATE.mask = prev
+
+
+def _capture_around(original, self, size, *args, **kwargs):
+    """While SGLang captures a target-verify CUDA graph of `size` requests, the LoRA hooks read
+    their gate from the persistent buffer, so the gated path is part of the graph."""
+    if _GRAPH_GATE is None:
+        return original(self, size, *args, **kwargs)
+    n = int(size) * int(getattr(self, "captured_req_width", 1) or 1)
+    if n > _GRAPH_GATE.numel():
+        raise RuntimeError(f"RISD gate buffer holds {_GRAPH_GATE.numel()} tokens, the graph captures {n}")
+    prev = _STATE.mask
+    _STATE.mask = _GRAPH_GATE[:n]
+    try:
+        return original(self, size, *args, **kwargs)
+    finally:
+        _STATE.mask = prev
+
+
+@contextmanager
+def gate_off(handle: GatedLoRAHandle | None):
+    prev = _STATE.mask
+    _STATE.mask = None
+    try:
+        yield
+    finally:
+        _STATE.mask = prev
+
+
+def current_mask() -> torch.Tensor | None:
+    return _STATE.mask
+
+
+# ------------------------------------------------------------------------------ the hooks
+def _gated_output(layer, x: torch.Tensor, bias, base: torch.Tensor) -> torch.Tensor:
+    from selfspec.kernels.gated_lora import gated_lora_linear
+
+    lora: LayerLoRA = layer._selfspec_lora
+    mask = _STATE.mask
+    flat_x = x.reshape(-1, x.shape[-1])
+    if mask.numel() != flat_x.shape[0]:
+        raise RuntimeError(f"RISD gate has {mask.numel()} entries for a forward of {flat_x.shape[0]} tokens")
+    mask = mask.to(flat_x.device)
+    gated = gated_lora_linear(flat_x, layer.weight, bias, lora.lora_a, lora.lora_b, 1.0, mask)
+    out = torch.where(mask.unsqueeze(-1), gated.to(base.dtype), base.reshape(-1, base.shape[-1]))
+    return out.reshape(base.shape)
+
+
+def _apply_around(original, self, layer, x, bias=None, *args, **kwargs):
+    base = original(self, layer, x, bias, *args, **kwargs)
+    if _STATE.mask is None or getattr(layer, "_selfspec_lora", None) is None:
+        return base
+    return _gated_output(layer, x, bias, base)
+
+
+def _apply_into_around(original, self, layer, x, output, bias=None, *args, **kwargs):
+    result = original(self, layer, x, output, bias, *args, **kwargs)
+    if _STATE.mask is None or getattr(layer, "_selfspec_lora", None) is None:
+        return result
+    target = output if result is None else result
+    target.copy_(_gated_output(layer, x, bias, target))
+    return result
+
+
+def _embedding_around(original, self, layer, input_, *args, **kwargs):
+    out = original(self, layer, input_, *args, **kwargs)
+    upd: EmbeddingUpdate | None = getattr(layer, "_selfspec_embedding", None)
+    mask = _STATE.mask
+    if upd is None or mask is None:
+        return out
+    flat = input_.reshape(-1)
+    if mask.numel() != flat.numel():
+        raise RuntimeError(f"RISD gate has {mask.numel()} entries for {flat.numel()} input tokens")
+    adapted = torch.nn.functional.embedding(flat, upd.weight).to(out.dtype)
+    return torch.where(mask.to(out.device).unsqueeze(-1), adapted, out.reshape(-1, out.shape[-1])).reshape(out.shape)
+
+
+def install() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    base = "sglang.srt.layers.quantization.unquant"
+    HookRegistry.register(f"{base}.UnquantizedLinearMethod.apply", _apply_around, HookType.AROUND)
+    HookRegistry.register(f"{base}.UnquantizedLinearMethod.apply_into", _apply_into_around, HookType.AROUND)
+    HookRegistry.register(f"{base}.UnquantizedEmbeddingMethod.embedding", _embedding_around, HookType.AROUND)
+    HookRegistry.register("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+                          ".capture_one_shape", _capture_around, HookType.AROUND)
+
+
+# ------------------------------------------------------------------------------ attaching an adapter
+def _pattern_value(name: str, pattern: dict, default):
+    for key, value in (pattern or {}).items():
+        if name == key or re.fullmatch(rf"(.*\.)?{key}", name):
+            return value
+    return default
+
+
+def _strip(key: str) -> str:
+    return key[len("base_model.model."):] if key.startswith("base_model.model.") else key
+
+
+def read_adapter(adapter_dir: str | Path):
+    """PEFT adapter -> ({hf_module: (A, B, scaling)}, {embedding_module: (kind, payload)}, config)."""
+    from selfspec.engines.lora import load_adapter_state
+
+    config, state = load_adapter_state(adapter_dir)
+    r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
+    rslora = bool(config.get("use_rslora"))
+    lora: dict[str, dict[str, torch.Tensor]] = {}
+    emb: dict[str, tuple[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        key = _strip(key)
+        m = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        if m:
+            lora.setdefault(m.group(1), {})[m.group(2)] = tensor
+            continue
+        m = re.fullmatch(r"(.+)\.token_adapter\.trainable_tokens_delta(?:\.[^.]+)?", key)
+        if m:
+            emb[m.group(1)] = ("rows", tensor)
+            continue
+        m = re.fullmatch(r"(.+?)(?:\.modules_to_save(?:\.[^.]+)?)?\.weight", key)
+        if m:
+            emb[m.group(1)] = ("table", tensor)
+            continue
+        raise LoRAAttachError(f"RISD adapter {adapter_dir}: unsupported tensor {key}")
+    out = {}
+    for name, ab in lora.items():
+        if set(ab) != {"A", "B"}:
+            raise LoRAAttachError(f"RISD adapter {adapter_dir}: {name} lacks lora_A or lora_B")
+        r = _pattern_value(name, config.get("rank_pattern"), r_default)
+        alpha = _pattern_value(name, config.get("alpha_pattern"), alpha_default)
+        scaling = alpha / (r ** 0.5) if rslora else alpha / r
+        out[name] = (ab["A"], ab["B"], float(scaling))
+    return out, emb, config
+
+
+def _tp_size() -> int:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_size or 1)
+    except (ImportError, ValueError):  # outside an SGLang process (unit tests)
+        return 1
+
+
+def attach_to_sglang_model(model: torch.nn.Module, adapter_dir: str) -> GatedLoRAHandle:
+    """Attach a PEFT RISD adapter to an SGLang model's linear / embedding layers (in place)."""
+    if _tp_size() > 1:
+        raise LoRAAttachError("RISD gated LoRA supports --tp-size 1 only")
+    loras, embs, config = read_adapter(adapter_dir)
+    modules = dict(model.named_modules())
+    # group parts per SGLang layer
+    groups: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]] = {}
+    direct: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    for hf_name, abs_ in loras.items():
+        parent, _, leaf = hf_name.rpartition(".")
+        if leaf in _FUSED:
+            fused, idx = _FUSED[leaf]
+            target = f"{parent}.{fused}"
+            if target not in modules and hf_name in modules:
+                direct[hf_name] = abs_
+                continue
+            groups.setdefault(target, {})[idx] = abs_
+        elif leaf in ("lm_head", "embed_tokens") or "lm_head" in hf_name:
+            raise LoRAAttachError(f"RISD adapter {adapter_dir}: LoRA on {hf_name} is not supported (linear "
+                                  "projections only)")
+        else:
+            direct[hf_name] = abs_
+    layers: dict[str, LayerLoRA] = {}
+    for name, abs_ in direct.items():
+        layer = modules.get(name)
+        if layer is None or not hasattr(layer, "weight"):
+            raise LoRAAttachError(f"RISD adapter {adapter_dir}: target {name} is not a layer of the served model")
+        a, b, s = abs_
+        layers[name] = _attach(layer, a, b * s, name)
+    for name, parts in groups.items():
+        layer = modules.get(name)
+        if layer is None:
+            raise LoRAAttachError(f"RISD adapter {adapter_dir}: fused target {name} is not a layer of the served model")
+        sizes = list(getattr(layer, "output_sizes", None) or [])
+        if not sizes:
+            raise LoRAAttachError(f"RISD adapter {adapter_dir}: {name} has no output_sizes to place the LoRA parts")
+        in_features = layer.weight.shape[1]
+        a_parts, b_blocks, r_total = [], [], 0
+        for idx, (a, b, s) in sorted(parts.items()):
+            a_parts.append((idx, a, b * s))
+            r_total += a.shape[0]
+        lora_a = torch.zeros(r_total, in_features, dtype=torch.float32)
+        lora_b = torch.zeros(sum(sizes), r_total, dtype=torch.float32)
+        offs = [0]
+        for size in sizes:
+            offs.append(offs[-1] + size)
+        col = 0
+        for idx, a, b in a_parts:
+            r = a.shape[0]
+            if a.shape[1] != in_features or b.shape[0] != sizes[idx]:
+                raise LoRAAttachError(f"RISD adapter {adapter_dir}: part {idx} of {name} has shapes {tuple(a.shape)}, "
+                                      f"{tuple(b.shape)}; the layer expects in {in_features}, out {sizes[idx]}: "
+                                      "the adapter was trained on another base")
+            lora_a[col:col + r] = a.float()
+            lora_b[offs[idx]:offs[idx + 1], col:col + r] = b.float()
+            col += r
+        layers[name] = _attach(layer, lora_a, lora_b, name)
+    embeddings: dict[str, EmbeddingUpdate] = {}
+    indices = config.get("trainable_token_indices")
+    for name, (kind, tensor) in embs.items():
+        if "lm_head" in name:
+            raise LoRAAttachError(f"RISD adapter {adapter_dir}: a replaced lm_head is not supported")
+        layer = modules.get(name)
+        if layer is None or not hasattr(layer, "weight"):
+            raise LoRAAttachError(f"RISD adapter {adapter_dir}: embedding update for {name}, not a layer of the model")
+        table = layer.weight.detach().clone()
+        if kind == "rows":
+            idx = indices if isinstance(indices, list) else (indices or {}).get(name.split(".")[-1])
+            if idx is None:
+                raise LoRAAttachError(f"RISD adapter {adapter_dir}: trainable token rows for {name} without indices")
+            table[torch.tensor(list(idx), device=table.device)] = tensor.to(table.device, table.dtype)
+        else:
+            if tensor.shape != table.shape:
+                raise LoRAAttachError(f"RISD adapter {adapter_dir}: {name} table {tuple(tensor.shape)} does not fit "
+                                      f"{tuple(table.shape)}: the adapter was trained on another base")
+            table = tensor.to(table.device, table.dtype)
+        layer._selfspec_embedding = EmbeddingUpdate(table)
+        embeddings[name] = layer._selfspec_embedding
+    if not layers and not embeddings:
+        raise LoRAAttachError(f"RISD adapter {adapter_dir} changes nothing in the served model")
+    return GatedLoRAHandle(layers, embeddings, str(adapter_dir))
+
+
+def _attach(layer, lora_a: torch.Tensor, lora_b: torch.Tensor, name: str) -> LayerLoRA:
+    w = layer.weight
+    if lora_a.shape[1] != w.shape[1] or lora_b.shape[0] != w.shape[0]:
+        raise LoRAAttachError(f"RISD LoRA for {name}: A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit "
+                              f"weight {tuple(w.shape)}: the adapter was trained on another base")
+    lora = LayerLoRA(lora_a.to(w.device, w.dtype).contiguous(), lora_b.to(w.device, w.dtype).contiguous())
+    layer._selfspec_lora = lora
+    return lora

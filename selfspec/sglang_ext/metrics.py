@@ -1,0 +1,152 @@
+"""TPF and accepted length of the selfspec modes, per request and aggregated.
+
+Conventions are those of `selfspec.decoding.metrics` (forwards include the prefill; the
+accepted length of a decode forward is the tokens it committed, drafts plus the corrected /
+bonus token).
+
+- Per request: SGLang already returns `spec_verify_ct` (decode forwards) and `completion_tokens`
+  in the native API's `meta_info`; an AFTER hook on the tokenizer manager's
+  `_calculate_spec_decoding_metrics` adds `selfspec_mode`, `selfspec_tpf` =
+  completion_tokens / (verify forwards + 1 prefill) and `selfspec_accept_length` =
+  (completion_tokens - 1) / verify forwards.
+- Aggregate: the worker's `AggregateStats` logs one line every `LOG_EVERY` decode steps in the
+  scheduler log ("[selfspec] ISD: TPF ..., accepted length ..., ...") and, with
+  `--enable-metrics`, sets the Prometheus gauges `selfspec:tokens_per_forward`,
+  `selfspec:accept_length` and `selfspec:compute_overhead` served by SGLang's /metrics (beside
+  SGLang's own `sglang:spec_accept_length`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from selfspec.decoding.metrics import SequenceMetrics
+
+logger = logging.getLogger(__name__)
+
+LOG_EVERY = int(os.environ.get("SELFSPEC_LOG_EVERY", "40"))
+_SELFSPEC_ALGOS = ("ISD", "RISD", "JACOBI", "SJD")
+
+
+def request_metrics(completion_tokens: int, verify_ct: int) -> dict[str, float]:
+    forwards = verify_ct + 1
+    return {
+        "selfspec_tpf": completion_tokens / forwards if forwards else 0.0,
+        "selfspec_accept_length": (completion_tokens - 1) / verify_ct if verify_ct else 0.0,
+        "selfspec_forwards": forwards,
+    }
+
+
+def _after_spec_metrics(result, self, meta_info, recv_obj, i, *args, **kwargs):
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        algo = (get_spec().speculative_algorithm or "").upper()
+    except Exception:
+        return result
+    if algo not in _SELFSPEC_ALGOS:
+        return result
+    completion = recv_obj.completion_tokens[i]
+    verify_ct = recv_obj.spec_verify_ct[i] if getattr(recv_obj, "spec_verify_ct", None) else 0
+    meta_info["selfspec_mode"] = algo
+    meta_info.update(request_metrics(completion, verify_ct))
+    return result
+
+
+class AggregateStats:
+    """Aggregate over finished and running requests of one worker (scheduler process)."""
+
+    def __init__(self, algorithm: str):
+        self.algorithm = algorithm
+        self.finished = SequenceMetrics()
+        self.num_finished = 0
+        self.steps = 0
+        self.window_tokens = 0
+        self.window_req_forwards = 0
+        self.window_query = 0
+        self.window_time = 0.0
+        self._gauges = None
+        self._last_log = time.monotonic()
+
+    def finish(self, m: SequenceMetrics) -> None:
+        self.num_finished += 1
+        self.finished.forwards += m.forwards
+        self.finished.committed_tokens += m.committed_tokens
+        self.finished.query_tokens += m.query_tokens
+        self.finished.accept_hist.update(m.accept_hist)
+
+    def step(self, batch_size: int, committed: int, query_tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.window_req_forwards += batch_size
+        self.window_tokens += committed
+        self.window_query += query_tokens
+        self.window_time += seconds
+        if self.steps % LOG_EVERY == 0:
+            self.flush()
+
+    def summary(self) -> dict:
+        out = self.finished.to_dict()
+        out["requests"] = self.num_finished
+        out["mode"] = self.algorithm
+        return out
+
+    def flush(self) -> None:
+        if not self.window_req_forwards:
+            return
+        accept = self.window_tokens / self.window_req_forwards
+        overhead = self.window_query / max(self.window_tokens, 1)
+        fin = self.finished
+        tpf = fin.tokens_per_forward if fin.forwards else float("nan")
+        logger.info("[selfspec] %s: accepted length %.2f (last %d steps), TPF %.2f over %d finished requests, "
+                    "query tokens per committed token %.2f, worker step %.1f ms", self.algorithm, accept,
+                    LOG_EVERY, tpf, self.num_finished, overhead, 1e3 * self.window_time / max(1, LOG_EVERY))
+        self._set_gauges(tpf if fin.forwards else accept, accept, overhead)
+        self.window_tokens = self.window_req_forwards = self.window_query = 0
+        self.window_time = 0.0
+
+    def _set_gauges(self, tpf: float, accept: float, overhead: float) -> None:
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return
+        try:
+            if self._gauges is None:
+                from prometheus_client import Gauge
+
+                def g(name, doc):
+                    return Gauge(name, doc, labelnames=["mode"], multiprocess_mode="mostrecent")
+
+                self._gauges = (
+                    g("selfspec:tokens_per_forward", "Tokens per forward of finished requests (prefill included)."),
+                    g("selfspec:accept_length", "Tokens committed per request per decode forward (recent steps)."),
+                    g("selfspec:compute_overhead", "Query tokens per committed token (recent steps)."),
+                )
+            for gauge, value in zip(self._gauges, (tpf, accept, overhead)):
+                gauge.labels(mode=self.algorithm).set(value)
+        except Exception as e:  # metrics must never break serving
+            logger.debug("selfspec gauges unavailable: %s", e)
+
+
+def _after_add_speculative(result, self, state, *args, **kwargs):
+    """/server_info internal state: `kv_tokens_in_use` (KV slots held by requests, i.e. not free
+    and not evictable cache: 0 when idle) and, under a selfspec mode, `selfspec` aggregates."""
+    scheduler = self.scheduler
+    try:
+        state["kv_tokens_in_use"] = int(scheduler.pool_stats_observer.get_pool_stats().full_num_used)
+    except Exception as e:  # never break /server_info
+        logger.debug("kv_tokens_in_use unavailable: %s", e)
+    stats = getattr(getattr(scheduler, "draft_worker", None), "stats", None)
+    if isinstance(stats, AggregateStats):
+        state["selfspec"] = stats.summary()
+    return result
+
+
+def install() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._calculate_spec_decoding_metrics",
+        _after_spec_metrics, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_speculative",
+        _after_add_speculative, HookType.AFTER)

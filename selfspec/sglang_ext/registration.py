@@ -1,0 +1,125 @@
+"""`--speculative-algorithm ISD | RISD | JACOBI | SJD`: the spec class SGLang dispatches on.
+
+SGLang 0.5.23's scheduler, memory sizing and CUDA-graph runner branch on `is_ngram()` for the
+one draft-free builtin; answering True routes our algorithms through those branches (no draft
+KV pool, no draft runners, KV reserved for `speculative_num_draft_tokens` query tokens per
+request and step, TARGET_VERIFY graphs captured at that fixed width, the host `seq_lens` mirror
+kept). The class also defines the methods 0.5.23 calls on every algorithm but that its
+`CustomSpecAlgo` lacks (`carries_draft_hidden_states`, `need_topk`, `create_future_map`,
+`get_platform_worker_cls`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+from selfspec.sglang_ext import config as cfgmod
+
+logger = logging.getLogger(__name__)
+
+
+class SelfSpecAlgo(CustomSpecAlgo):
+    """A selfspec mode: draft-free, fixed-width target verify, synchronous scheduling."""
+
+    # -- NGRAM-style routing: draft-free, verify-only ------------------------------------
+    def is_ngram(self) -> bool:
+        return True
+
+    def has_draft_kv(self) -> bool:
+        return False
+
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def need_topk(self) -> bool:
+        return False
+
+    def supports_mixed_chunk(self) -> bool:
+        return False
+
+    def get_platform_worker_cls(self) -> Optional[type]:
+        return None
+
+    def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True,
+                          needs_confidence_relay: bool = False):
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+
+    def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
+        return None
+
+    # -- server arguments ----------------------------------------------------------------
+    def handle_server_args(self, server_args: Any) -> None:
+        """Runs on a recorder of the server args: every assignment is declared to SGLang."""
+        cfg = cfgmod.load_for_worker(server_args)
+        if not server_args.disable_overlap_schedule:
+            logger.warning("[selfspec] %s runs the scheduler synchronously: overlap scheduling disabled", self.name)
+        server_args.disable_overlap_schedule = True
+        server_args.enable_mixed_chunk = False
+        if server_args.speculative_num_draft_tokens is None:
+            server_args.speculative_num_draft_tokens = cfg.width
+        server_args.speculative_eagle_topk = 1
+        if server_args.speculative_num_steps is None:
+            server_args.speculative_num_steps = 1
+        if server_args.max_running_requests is None:
+            server_args.max_running_requests = 48
+            logger.warning("[selfspec] --max-running-requests defaults to 48 for %s; set it explicitly to change",
+                           self.name)
+
+    def resolve_max_speculative_num_draft_tokens(self, server_args: Any) -> Optional[int]:
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        return resolving_view(server_args).speculative_num_draft_tokens
+
+    def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
+        return num_draft_tokens
+
+    def create_worker(self, server_args: Any):
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        if not resolving_view(server_args).disable_overlap_schedule:
+            raise cfgmod.SelfSpecConfigError(
+                f"[selfspec] {self.name} does not support overlap scheduling; it is disabled automatically "
+                "unless something re-enabled it")
+        return self.factory(server_args)
+
+
+def validate_server_args(server_args: Any) -> None:
+    """Fail fast at startup: resolve the configuration, check the server combination, publish
+    the result for the scheduler processes."""
+    cfg = cfgmod.resolve(server_args)
+    cfgmod.check_server_combination(server_args, cfg)
+    cfgmod.publish(cfg)
+    logger.info("[selfspec] %s", cfg.describe())
+
+
+def _worker_factory(server_args: Any):
+    from selfspec.sglang_ext.worker import SelfSpecWorker
+
+    return SelfSpecWorker
+
+
+_registered = False
+
+
+def register_algorithms() -> None:
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    for name in cfgmod.ALGORITHMS:
+        if get_spec(name) is not None:
+            continue
+        SpeculativeAlgorithm.register(
+            name,
+            supports_overlap=False,
+            validate_server_args=validate_server_args,
+            spec_class=SelfSpecAlgo,
+        )(_worker_factory)
+    _registered = True

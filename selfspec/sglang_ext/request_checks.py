@@ -1,0 +1,66 @@
+"""Per-request checks: what a selfspec mode cannot honour is refused with HTTP 400, not ignored.
+
+An AFTER hook on SGLang's `SamplingParams.verify` (run by the tokenizer manager on every
+request, whose ValueError becomes a 400 response) rejects, when the server runs a selfspec
+mode: sampling with JACOBI (greedy only: its guarantee is exactly greedy AR), and the sampling
+features the decoding core does not implement (repetition / frequency / presence penalties,
+min_p, logit_bias, min_new_tokens, grammar-constrained decoding); a BEFORE hook on the tokenizer
+manager's `_validate_one_request` refuses logprobs.
+"""
+
+from __future__ import annotations
+
+_SELFSPEC = ("ISD", "RISD", "JACOBI", "SJD")
+
+
+def _algorithm() -> str | None:
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        algo = (get_spec().speculative_algorithm or "").upper()
+    except Exception:
+        return None
+    return algo if algo in _SELFSPEC else None
+
+
+def check_sampling_params(sp, algorithm: str) -> None:
+    greedy = sp.top_k == 1
+    if algorithm == "JACOBI" and not greedy:
+        raise ValueError("JACOBI decoding is greedy only (it reproduces greedy AR exactly): send temperature 0, "
+                         "or serve --speculative-algorithm SJD / ISD for sampling")
+    unsupported = []
+    if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty not in (None, 1.0):
+        unsupported.append("frequency/presence/repetition penalties")
+    if sp.min_p:
+        unsupported.append("min_p")
+    if sp.logit_bias:
+        unsupported.append("logit_bias")
+    if sp.min_new_tokens:
+        unsupported.append("min_tokens / min_new_tokens")
+    if sp.json_schema or sp.regex or sp.ebnf or sp.structural_tag:
+        unsupported.append("constrained decoding (json_schema / regex / ebnf / structural_tag)")
+    if unsupported:
+        raise ValueError(f"{algorithm} (selfspec) does not support {', '.join(unsupported)}; remove them or use a "
+                         "server without --speculative-algorithm")
+
+
+def _before_validate_one_request(self, obj, *args, **kwargs):
+    algo = _algorithm()
+    if algo is not None and getattr(obj, "return_logprob", False):
+        raise ValueError(f"{algo} (selfspec) does not return logprobs; remove logprobs / return_logprob")
+    return None
+
+
+def _after_verify(result, self, *args, **kwargs):
+    algo = _algorithm()
+    if algo is not None:
+        check_sampling_params(self, algo)
+    return result
+
+
+def install() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.sampling.sampling_params.SamplingParams.verify", _after_verify, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+                          _before_validate_one_request, HookType.BEFORE)

@@ -1,0 +1,340 @@
+"""The selfspec speculative worker: SGLang batches in, decoding-core steps out.
+
+One worker serves every mode. It is a thin adapter over `selfspec.decoding`: the mode object
+(`ISDMode`, `JacobiMode`, `SJDMode`, built by `config.build_mode`) plans each step's layout
+(query tokens, position offsets, visibility, LoRA gate) and decides what to emit and which KV to
+keep; this file only maps that onto SGLang:
+
+- prefill (EXTEND): the target forward without SGLang's sampler; the first token is drawn by
+  the decoding core's AR rule (`selfspec.decoding.ar.next_tokens`) with the request's seed
+  stream, then `mode.start` creates the request's state;
+- decode: one TARGET_VERIFY forward of fixed width W per request (`speculative_num_draft_tokens`):
+  the step tokens go to the KV slots `[seq_len, seq_len + W)` SGLang reserved for the request
+  (`eagle_prepare_for_decode`), at positions `seq_len + offset`, under the mask
+  `[committed prefix | step visibility]`; `mode.finish` returns per request the emitted tokens
+  and the step indices whose KV joins the prefix (`keep`); kept KV is moved to the front of the
+  window (a no-op for causal chains), so `[seq_len, seq_len + len(emit))` is the new committed
+  run and everything past it (MASK, rejected, losing branches, padding) is overwritten next
+  step or freed with the request.
+
+Per-request state (history, mode state, seed counter, metrics) lives here, keyed by request id,
+so continuous batching needs nothing from SGLang but the batch's request list: requests join,
+leave, finish and abort independently. EOS, stop strings and max_tokens are applied by SGLang
+to the emitted run (`Req.update_finish_state` truncates a multi-token run exactly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.runtime_context import get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+from selfspec.decoding import seeds as seedmod
+from selfspec.decoding.ar import next_tokens as ar_next_tokens
+from selfspec.decoding.metrics import SequenceMetrics
+from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, collate
+from selfspec.sglang_ext import config as cfgmod
+from selfspec.sglang_ext import lora as loramod
+from selfspec.sglang_ext import metrics as metricsmod
+
+logger = logging.getLogger(__name__)
+
+_TOP_K_ALL = 1 << 30
+_DEBUG_TIMING = os.environ.get("SELFSPEC_DEBUG_TIMING") == "1"
+#: Use the GPU backends' full mask layout on CPU too (exercises that layout in the CPU tests).
+_FORCE_FULL_MASK = os.environ.get("SELFSPEC_FULL_MASK") == "1"
+
+
+def sampling_from_req(req) -> SamplingParams:
+    """SGLang's per-request sampling settings in the decoding core's terms (greedy: temperature 0).
+    SGLang encodes greedy as top_k == 1 (temperature 0 is rewritten to temperature 1, top_k 1)."""
+    sp = req.sampling_params
+    top_k = int(sp.top_k) if sp.top_k is not None else -1
+    if top_k == 1 or sp.temperature is None or sp.temperature <= 0:
+        return SamplingParams()
+    if top_k < 0 or top_k >= _TOP_K_ALL:
+        top_k = 0
+    top_p = float(sp.top_p) if sp.top_p is not None else 1.0
+    return SamplingParams(temperature=float(sp.temperature), top_k=top_k, top_p=top_p)
+
+
+def base_seed_for(req) -> int:
+    """The request's seed (`seed` in the OpenAI API), else one derived from its id, so every
+    tensor-parallel rank draws the same numbers without communication."""
+    seed = getattr(req.sampling_params, "sampling_seed", None)
+    if seed is not None:
+        return int(seed) & 0x7FFFFFFF
+    return int.from_bytes(hashlib.sha256(str(req.rid).encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class RequestState:
+    seq: DecodeSequence
+    base_seed: int
+    counter: int = 0
+    metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
+    req: Any = None
+
+    def take_seeds(self, width: int) -> tuple[int, int]:
+        start = self.counter
+        self.counter += width
+        return self.base_seed, start
+
+
+def pad_layout(layout: StepLayout, width: int, pad_token: int) -> StepLayout:
+    """Extend a layout to the fixed verify width: padding tokens go last, in their own branch
+    (-1: they see the trunk and each other, no real token sees them), gate off."""
+    n = len(layout)
+    if n > width:
+        raise RuntimeError(f"the mode planned {n} query tokens but the verify width is {width}")
+    if n == width:
+        return layout
+    extra = width - n
+    offsets = list(layout.offsets) if layout.offsets is not None else list(range(n))
+    nxt = (max(offsets) + 1) if offsets else 0
+    branch = list(layout.branch) if layout.branch is not None else [0] * n
+    gate = list(layout.gate) + [False] * extra if layout.gate is not None else None
+    return StepLayout(
+        tokens=list(layout.tokens) + [pad_token] * extra,
+        offsets=offsets + list(range(nxt, nxt + extra)),
+        branch=branch + [-1] * extra,
+        gate=gate,
+    )
+
+
+def build_custom_mask(local: torch.Tensor, seq_lens: list[int], full: bool) -> torch.Tensor:
+    """The verify mask in one of SGLang's two layouts. `local` [bs, W, W]: step visibility.
+    full=False: the step-only bs*W*W mask (selfspec's torch_native verify path adds the committed
+    prefix); full=True: per request the [W, L + W] rows `[ones(W, L) | local]`, flattened and
+    concatenated, which the GPU backends read through `NgramVerifyInput.generate_attn_arg_prefill`."""
+    if not full:
+        return local.flatten()
+    W = local.shape[-1]
+    parts = [torch.cat([torch.ones(W, int(L), dtype=torch.bool, device=local.device), local[r]], dim=1).flatten()
+             for r, L in enumerate(seq_lens)]
+    return torch.cat(parts)
+
+
+class SelfSpecWorker(BaseSpecWorker):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.cfg = cfgmod.load_for_worker(server_args)
+        self.mode = cfgmod.build_mode(self.cfg)
+        self.width = int(get_spec().speculative_num_draft_tokens)
+        if self.width < self.cfg.width:
+            raise cfgmod.SelfSpecConfigError(
+                f"[selfspec] verify width {self.cfg.width} exceeds speculative_num_draft_tokens {self.width}")
+        self.speculative_num_draft_tokens = self.width
+        self.pad_token = int(self.cfg.mask_token_id) if self.cfg.mask_token_id is not None else 0
+        self.states: dict[str, RequestState] = {}
+        self.stats = metricsmod.AggregateStats(self.cfg.algorithm)
+        self.lora_gate = None
+        if self.cfg.algorithm == "RISD":
+            self.lora_gate = loramod.attach_to_sglang_model(self.model_runner.model, self.cfg.adapter)
+            logger.info("[selfspec] RISD gated LoRA attached: %r", self.lora_gate)
+            if torch.device(self.device).type == "cuda":
+                loramod.set_graph_gate_buffer(torch.zeros(self._max_graph_tokens(), dtype=torch.bool,
+                                                          device=self.device))
+        logger.info("[selfspec] worker ready: %s", self.cfg.describe())
+
+    # ------------------------------------------------------------------ SGLang plumbing
+    @property
+    def draft_worker(self):
+        return None  # draft-free: the target model drafts for itself
+
+    def alloc_memory_pool(self, **kwargs):
+        # Shares the target's pools (the target pools exist only after __init__).
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+
+    def clear_cache_pool(self):
+        self.states.clear()
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        st = self.states.pop(rid, None)
+        if st is not None:
+            self.stats.finish(st.metrics)
+
+    def _gc_states(self) -> None:
+        for rid in [rid for rid, st in self.states.items() if st.req is not None and st.req.finished()]:
+            self.note_request_finished(rid=rid, natural_stop=False)
+
+    # ------------------------------------------------------------------ one scheduler step
+    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None
+                                 ) -> GenerationBatchResult:
+        if batch.forward_mode.is_decode():
+            return self._decode(batch, on_publish)
+        return self._extend(batch, on_publish)
+
+    def _context(self, states: list[RequestState], width: int) -> StepContext:
+        params = [st.seq.sampling for st in states]
+        if all(p.greedy for p in params):
+            seeds = torch.zeros((len(states), width), dtype=torch.long)
+        else:
+            base = torch.tensor([st.base_seed for st in states], dtype=torch.long)
+            counter = torch.tensor([st.counter for st in states], dtype=torch.long)
+            seeds = seedmod.step_seeds(base, counter, width)
+        for st in states:
+            st.counter += width
+        return StepContext.from_params(params, seeds.to(self.device))
+
+    def _extend(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        bs = len(batch.reqs)
+        with loramod.gate_off(self.lora_gate):
+            result = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        logits = result.logits_output.next_token_logits  # [bs, V]: last prompt position
+        states = []
+        for req in batch.reqs:
+            history = list(req.origin_input_ids) + list(req.output_ids)
+            st = RequestState(DecodeSequence(history, sampling_from_req(req)), base_seed_for(req), req=req)
+            states.append(st)
+        ctx = self._context(states, 1)
+        tokens = ar_next_tokens(logits, ctx)
+        for req, st, tok in zip(batch.reqs, states, tokens.tolist()):
+            st.seq.history.append(int(tok))
+            st.metrics.record_prefill(1)
+            self.mode.start(st.seq)
+            self.states[req.rid] = st
+        next_token_ids = tokens.to(torch.int64)
+        new_seq_lens = batch.seq_lens.clone()
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        accept_tokens = torch.zeros(bs, self.width, dtype=torch.int64, device=self.device)
+        accept_tokens[:, 0] = next_token_ids
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=result.logits_output,
+            next_token_ids=next_token_ids,
+            can_run_cuda_graph=result.can_run_cuda_graph,
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=NgramVerifyInput(draft_token_num=self.width, new_seq_lens=new_seq_lens,
+                                              accept_tokens=accept_tokens.flatten(), accept_lens=accept_lens),
+            speculative_num_draft_tokens=self.width,
+        )
+
+    def _state_for(self, req) -> RequestState:
+        st = self.states.get(req.rid)
+        if st is None:  # e.g. state dropped by clear_cache_pool: rebuild from what SGLang holds
+            history = list(req.origin_input_ids) + list(req.output_ids)
+            st = RequestState(DecodeSequence(history, sampling_from_req(req)), base_seed_for(req), req=req)
+            self.mode.start(st.seq)
+            self.states[req.rid] = st
+        return st
+
+    def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        t0 = time.perf_counter()
+        reqs = batch.reqs
+        bs = len(reqs)
+        W = self.width
+        dev = self.device
+        states = [self._state_for(r) for r in reqs]
+        seqs = [st.seq for st in states]
+
+        layouts = self.mode.layouts(seqs)
+        real_widths = [len(lay) for lay in layouts]
+        step = collate([pad_layout(lay, W, self.pad_token) for lay in layouts], self.pad_token, device=dev)
+
+        seq_lens = batch.seq_lens
+        seq_lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else seq_lens.cpu()
+        window = seq_lens.to(torch.int64).unsqueeze(1) + torch.arange(W, device=dev)
+        out_cache_loc = batch.req_to_token_pool.req_to_token[
+            batch.req_pool_indices.to(torch.int64).unsqueeze(1), window].to(torch.int64).flatten()
+        positions = (seq_lens.to(torch.int64).unsqueeze(1) + step.offsets).flatten()
+        custom_mask = self._custom_mask(step.local, seq_lens_cpu.tolist())
+
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = step.tokens.flatten()
+        batch.out_cache_loc = out_cache_loc
+        batch.spec_info = NgramVerifyInput(
+            draft_token=batch.input_ids, custom_mask=custom_mask, positions=positions,
+            retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None, draft_token_num=W,
+        )
+        t1 = time.perf_counter()
+        with loramod.gate(self.lora_gate, step.gate):
+            result = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        logits = result.logits_output.next_token_logits.view(bs, W, -1)
+        t2 = time.perf_counter()
+
+        ctx = self._context(states, self.mode.seeds_per_step)
+        outcomes = self.mode.finish(seqs, step, logits, ctx)
+
+        accept_lens_list = []
+        emitted = torch.zeros(bs, W, dtype=torch.int64)
+        src, tgt = [], []
+        for r, (st, out) in enumerate(zip(states, outcomes)):
+            n = len(out.emit)
+            if n < 1 or len(out.keep) != n:
+                raise RuntimeError(f"mode {self.mode.name} returned emit {out.emit} / keep {out.keep}")
+            emitted[r, :n] = torch.tensor(out.emit, dtype=torch.int64)
+            for j, k in enumerate(out.keep):
+                if k != j:
+                    src.append(r * W + k)
+                    tgt.append(r * W + j)
+            accept_lens_list.append(n)
+            st.seq.history.extend(int(t) for t in out.emit)
+            st.metrics.record_step(real_widths[r], n)
+        if src:
+            self._move_kv(out_cache_loc[torch.tensor(tgt, device=dev)], out_cache_loc[torch.tensor(src, device=dev)])
+
+        accept_lens = torch.tensor(accept_lens_list, dtype=torch.int32, device=dev)
+        new_seq_lens = seq_lens + accept_lens.to(seq_lens.dtype)
+        next_token_ids = emitted.to(dev).flatten()
+        batch.forward_mode = ForwardMode.DECODE
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        t3 = time.perf_counter()
+        if _DEBUG_TIMING:
+            logger.info("[selfspec] step bs=%d plan %.1f ms forward %.1f ms finish %.1f ms", bs,
+                        (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+        self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0)
+        self._gc_states()
+        return GenerationBatchResult(
+            logits_output=result.logits_output,
+            next_token_ids=next_token_ids,
+            can_run_cuda_graph=result.can_run_cuda_graph,
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=NgramVerifyInput(draft_token_num=W, new_seq_lens=new_seq_lens,
+                                              accept_tokens=next_token_ids, accept_lens=accept_lens),
+            speculative_num_draft_tokens=W,
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _max_graph_tokens(self) -> int:
+        """Query tokens of the largest batch a verify forward (eager or captured) can have."""
+        from sglang.srt.runtime_context import get_exec, get_schedule
+
+        max_bs = get_schedule().max_running_requests or 1
+        graph = get_exec().graph.cuda_graph_config
+        if graph is not None and graph.decode is not None and graph.decode.max_bs:
+            max_bs = max(max_bs, int(graph.decode.max_bs))
+        return max_bs * self.width
+
+    def _custom_mask(self, local: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        full = torch.device(self.device).type != "cpu" or _FORCE_FULL_MASK
+        return build_custom_mask(local, seq_lens, full)
+
+    def _move_kv(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        pool = self.token_to_kv_pool_allocator.get_kvcache()
+        if torch.device(self.device).type == "cuda":
+            pool.move_kv_cache(tgt, src)
+            return
+        for buf in list(pool.k_buffer) + list(pool.v_buffer):
+            buf[tgt] = buf[src]

@@ -1,0 +1,111 @@
+"""The I-DLM objective: CE on the MASK half + scale * CE on the clean half.
+
+Both halves use the same shifted labels: the output at position p predicts token p+1
+(`labels[:, p] = x[p+1]`, -100 where there is nothing to learn: the last position, padding,
+prompt tokens of chat data).
+
+The clean-loss scale:
+- `fixed`: scale = `ce_scale` (0.2 in the seed) — used in the first stride expansions
+  (N = 1 -> 2 and 2 -> 3), where a low clean weight speeds up learning the MASK positions;
+- `auto` (from the N = 3 -> 4 expansion on): the clean term is rescaled to the magnitude of
+  the MASK term, computed per micro-batch with gradients stopped through the ratio:
+
+      scale = sg(CE_mask) / (sg(CE_clean) + 1e-8)
+      L     = CE_mask + scale * CE_clean
+
+  so the loss value is exactly 2 * CE_mask and the clean term contributes gradient in
+  proportion CE_mask / CE_clean: when the clean (AR) path is well fitted relative to the MASK
+  path, its weight grows, which holds the verify distribution in place while the harder MASK
+  predictions (longer strides) would otherwise dominate. This is the rule of the public
+  I-DLM code (`loss_auto_balance`), whose Eq. 2 the seed does not print.
+
+Optional, off by default (`distill_weight = 0` is the seed's loss exactly): `self_distill_ce`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+AUTO_BALANCE_EPS = 1e-8
+
+
+def shifted_labels(clean: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, L+1] clean ids -> [B, L] labels (token p+1 at position p).
+
+    `loss_mask` [B, L+1] (optional) marks the tokens worth predicting (True); a label is kept
+    where its target token is marked."""
+    labels = clean[:, 1:].clone()
+    if loss_mask is not None:
+        labels[~loss_mask[:, 1:].bool()] = IGNORE_INDEX
+    return labels
+
+
+def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    count = int((labels != IGNORE_INDEX).sum())
+    if count == 0:
+        return logits.sum() * 0.0, 0
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss / count, count
+
+
+@dataclass
+class IDLMLoss:
+    total: torch.Tensor
+    mask_ce: torch.Tensor  # detached
+    clean_ce: torch.Tensor  # detached
+    scale: float
+    mask_tokens: int
+    clean_tokens: int
+    distill: torch.Tensor | None = None  # detached; only with distill_weight > 0
+
+
+def self_distill_ce(mask_logits: torch.Tensor, clean_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Optional extra term: cross-entropy of the MASK distribution q at position p towards the
+    detached clean-half distribution p at the same position (the model's own AR prediction of the
+    same token p+1, given the true tokens <= p), averaged over labelled positions. It pulls the
+    proposals towards what the verify positions will accept rather than only towards the data."""
+    valid = labels != IGNORE_INDEX
+    if not bool(valid.any()):
+        return mask_logits.sum() * 0.0
+    target = torch.softmax(clean_logits[valid].detach().float(), dim=-1)
+    logq = torch.log_softmax(mask_logits[valid].float(), dim=-1)
+    return -(target * logq).sum(-1).mean()
+
+
+def clean_loss_scale(mask_ce: torch.Tensor, clean_ce: torch.Tensor, balance: str, ce_scale: float) -> float:
+    if balance == "fixed":
+        return float(ce_scale)
+    if balance == "auto":
+        return float(mask_ce.detach() / (clean_ce.detach() + AUTO_BALANCE_EPS))
+    raise ValueError(f"unknown loss balance '{balance}' (fixed | auto)")
+
+
+def idlm_loss(logits: torch.Tensor, labels: torch.Tensor, balance: str, ce_scale: float = 0.2,
+              train_clean: bool = True, distill_weight: float = 0.0,
+              clean_labels: torch.Tensor | None = None) -> IDLMLoss:
+    """logits [B, 2L, V] of a packed [x_t | x_0] forward, labels [B, L] (MASK half) and
+    `clean_labels` [B, L] (clean half; default: the same labels).
+
+    `train_clean=False` (the gated-LoRA variant, whose clean half runs on frozen base weights)
+    keeps the clean CE as a metric only."""
+    seq_len = labels.shape[1]
+    clean_labels = labels if clean_labels is None else clean_labels
+    mask_ce, n_mask = _ce(logits[:, :seq_len], labels)
+    if train_clean:
+        clean_ce, n_clean = _ce(logits[:, seq_len:], clean_labels)
+    else:
+        with torch.no_grad():
+            clean_ce, n_clean = _ce(logits[:, seq_len:].detach(), clean_labels)
+    scale = clean_loss_scale(mask_ce, clean_ce, balance, ce_scale)
+    total = mask_ce + scale * clean_ce if train_clean else mask_ce
+    distill = None
+    if distill_weight > 0:
+        distill = self_distill_ce(logits[:, :seq_len], logits[:, seq_len:], labels)
+        total = total + distill_weight * distill
+        distill = distill.detach()
+    return IDLMLoss(total, mask_ce.detach(), clean_ce.detach(), scale, n_mask, n_clean, distill)

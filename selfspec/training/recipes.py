@@ -1,0 +1,231 @@
+"""Recipes of the embedded I-DLM models, and their measurement.
+
+    selfspec train tiny-idlm        # full I-DLM conversion of tiny-base, curriculum N = 2 -> 3 -> 4
+    selfspec train tiny-idlm-lora   # gated LoRA over a frozen tiny-base (RISD), same curriculum
+
+Each trains with `selfspec.training.idlm` on the stdlib corpus (tiny-base's train split) under a
+wall-clock budget (the step plan adapts to the machine's speed so the schedule always anneals),
+exports to `selfspec/assets/<name>/` (checkpoints go to runs/<name>/, outside the package), then
+measures on the held-out prompts (bench/prompts/heldout.jsonl) with the HF engine and writes the
+numbers into the export's selfspec.json (`metrics.measured`) and provenance.json:
+- held-out perplexity of the AR path (plain causal forward) beside tiny-base's;
+- TPF of AR, ISD at N = 2, 3, 4 (greedy; temperature 1 with tau = 0 and tau = 1) or RISD, and
+  whether greedy ISD / RISD reproduced the greedy AR output token for token;
+- alpha, the introspective acceptance rate of ISD proposals (seed 002 §2).
+`python -m selfspec.training.recipes measure tiny-idlm` re-runs the measurement alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from selfspec.models import ASSETS_DIR
+from selfspec.training.idlm import IDLMConfig, train_idlm
+
+REPO = Path(__file__).resolve().parents[2]
+HELDOUT_PROMPTS = REPO / "bench" / "prompts" / "heldout.jsonl"
+
+RECIPES: dict[str, IDLMConfig] = {
+    "tiny-idlm": IDLMConfig(
+        base="tiny-base", out=str(ASSETS_DIR / "tiny-idlm"), name="tiny-idlm", base_ref="tiny-base",
+        stride=4, curriculum=[2, 3, 4], stage_fractions=[0.15, 0.2, 0.65],
+        seq_len=256, batch_size=8, steps=3000, time_budget_minutes=36.0,
+        lr=7e-4, min_lr_ratio=0.05, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
+        ce_scale=0.2, auto_balance_from=4, eval_every=100, eval_tokens=16384, save_every=200,
+        checkpoint_dir=str(REPO / "runs" / "tiny-idlm"), seed=0, threads=1, mixed_precision="bf16",
+    ),
+    "tiny-idlm-lora": IDLMConfig(
+        base="tiny-base", out=str(ASSETS_DIR / "tiny-idlm-lora"), name="tiny-idlm-lora", base_ref="tiny-base",
+        stride=4, curriculum=[2, 3, 4], stage_fractions=[0.15, 0.2, 0.65],
+        lora_rank=64, lora_alpha=128.0,
+        seq_len=256, batch_size=8, steps=3000, time_budget_minutes=30.0,
+        lr=3e-3, min_lr_ratio=0.05, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
+        eval_every=100, eval_tokens=16384, save_every=200,
+        checkpoint_dir=str(REPO / "runs" / "tiny-idlm-lora"), seed=0, threads=1, mixed_precision="bf16",
+    ),
+}
+
+
+# ------------------------------------------------------------------------------ measurement
+def measure(name_or_path: str, prompts_file: Path = HELDOUT_PROMPTS, max_new_tokens: int = 128,
+            num_prompts: int = 64, alpha_prompts: int = 32) -> dict:
+    from selfspec.engines.hf import HFEngine
+    from selfspec.training.evaluate import (
+        decode_tpf, heldout_ar_perplexity, introspective_acceptance, load_prompts,
+    )
+
+    started = time.time()
+    engine = HFEngine.from_pretrained(name_or_path, dtype=torch.float32)
+    meta = engine.metadata
+    gated = meta is not None and meta.mode == "RISD"
+    tok = engine.tokenizer
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in load_prompts(prompts_file, num_prompts)]
+    mask_id = engine.resolve_mask_token()
+    out: dict = {"prompts": str(prompts_file.relative_to(REPO) if prompts_file.is_relative_to(REPO) else prompts_file),
+                 "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "engine": "hf (fp32, CPU)"}
+
+    # held-out perplexity of the AR path, beside tiny-base's (the base of the conversion)
+    base = HFEngine.from_pretrained(meta.base_model_path if gated else (meta.extra.get("converted_from") or "tiny-base"),
+                                    dtype=torch.float32)
+    base_ppl = heldout_ar_perplexity(base.model, base.tokenizer)
+    ppl = base_ppl if gated else heldout_ar_perplexity(engine.model, tok)
+    out["heldout_ar_perplexity"] = ppl["heldout_perplexity"]
+    out["base_heldout_ar_perplexity"] = base_ppl["heldout_perplexity"]
+    out["heldout_ar_perplexity_change"] = ppl["heldout_perplexity"] / base_ppl["heldout_perplexity"] - 1
+    out["heldout_tokens"] = ppl["tokens"]
+
+    ar_ref = base if gated else engine  # greedy reference: RISD must equal the base's greedy AR output
+    rows = [decode_tpf(ar_ref, prompts, "ar", max_new_tokens)]
+    ar_greedy = rows[0]["outputs"]
+    mode = "risd" if gated else "isd"
+    for n in (2, 3, 4):
+        g = decode_tpf(engine, prompts, mode, max_new_tokens, stride=n)
+        g["greedy_equals_ar"] = sum(a == b for a, b in zip(g["outputs"], ar_greedy)) / len(prompts)
+        rows.append(g)
+        for tau in (0.0, 1.0):
+            rows.append(decode_tpf(engine, prompts, mode, max_new_tokens, stride=n, tau=tau, temperature=1.0))
+    for r in rows:
+        r.pop("outputs")
+    out["decode"] = rows
+
+    # introspective acceptance of the proposals (temperature 1 and greedy)
+    gate = engine._gate if gated else None
+    if gated and gate is None:
+        engine.build_mode("risd")  # attaches the adapter
+        gate = engine._gate
+    alpha = {}
+    for n in (2, 3, 4):
+        for temp in (1.0, 0.0):
+            a = introspective_acceptance(engine.model, prompts[:alpha_prompts], n, mask_id, new_tokens=64,
+                                         temperature=temp, seed=0, gate=gate)
+            alpha[f"N={n},T={temp:g}"] = {"alpha": a["alpha"], "by_offset": a["alpha_by_offset"],
+                                         "proposals": a["proposals"]}
+    out["alpha"] = alpha
+    out["alpha_prompts"] = alpha_prompts
+    out["seconds"] = round(time.time() - started, 1)
+    return out
+
+
+def _relative(value):
+    if isinstance(value, str) and value.startswith(str(REPO) + "/"):
+        return value[len(str(REPO)) + 1:]
+    return value
+
+
+def finalize_provenance(model_dir: Path, command: str) -> None:
+    """Record the recipe's own command, and repository-relative paths, in selfspec.json and
+    provenance.json (the training code records what it was given)."""
+    from selfspec.decoding.metadata import METADATA_FILE, write_metadata
+
+    meta = json.loads((model_dir / METADATA_FILE).read_text())
+    recipe = meta.setdefault("recipe", {})
+    recipe["command"] = command
+    if "config" in recipe:
+        recipe["config"] = {k: _relative(v) for k, v in recipe["config"].items()}
+    write_metadata(model_dir, meta)
+    prov_file = model_dir / "provenance.json"
+    if prov_file.exists():
+        prov = json.loads(prov_file.read_text())
+        prov["command"] = command
+        prov["config"] = {k: _relative(v) for k, v in prov.get("config", {}).items()}
+        if "base" in prov:
+            prov["base"]["path"] = _relative(prov["base"]["path"])
+        prov_file.write_text(json.dumps(prov, indent=2, default=str) + "\n")
+
+
+def record_measurement(model_dir: Path, measured: dict) -> None:
+    """Merge the measurement into selfspec.json (metrics.measured) and provenance.json."""
+    from selfspec.decoding.metadata import METADATA_FILE, write_metadata
+
+    meta = json.loads((model_dir / METADATA_FILE).read_text())
+    meta.setdefault("metrics", {})["measured"] = measured
+    write_metadata(model_dir, meta)
+    prov_file = model_dir / "provenance.json"
+    if prov_file.exists():
+        prov = json.loads(prov_file.read_text())
+        prov["measured"] = measured
+        prov_file.write_text(json.dumps(prov, indent=2, default=str) + "\n")
+
+
+def format_measurement(m: dict) -> str:
+    lines = [f"held-out AR perplexity {m['heldout_ar_perplexity']:.3f} vs base {m['base_heldout_ar_perplexity']:.3f} "
+             f"({100 * m['heldout_ar_perplexity_change']:+.2f}%)",
+             f"{'mode':6s} {'N':>2s} {'T':>3s} {'tau':>4s} {'TPF':>6s} {'acc.len':>7s} {'greedy=AR':>9s}"]
+    for r in m["decode"]:
+        eq = r.get("greedy_equals_ar")
+        lines.append(f"{r['mode']:6s} {r['stride'] or '-':>2} {r['temperature']:>3g} {r['tau']:>4g} {r['tpf']:6.3f} "
+                     f"{r['mean_accepted_length']:7.3f} {'' if eq is None else f'{100 * eq:8.1f}%':>9s}")
+    for k, v in m["alpha"].items():
+        lines.append(f"alpha {k}: {v['alpha']:.3f} (by offset " + ", ".join(f"{a:.3f}" for a in v["by_offset"]) + ")")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """For `selfspec train tiny-idlm` and `selfspec train tiny-idlm-lora` (recipe chosen by the
+    subcommand name, passed as `recipe`)."""
+    parser.add_argument("--out", default=None, help="export directory (default: the package's embedded model dir)")
+    parser.add_argument("--time-budget-minutes", type=float, default=None, help="training-loop budget")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps at most")
+    parser.add_argument("--resume", nargs="?", const="auto", default=None, help="resume from the latest checkpoint")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--no-measure", action="store_true", help="skip the measurement after export")
+
+
+def run_recipe(name: str, args: argparse.Namespace | None = None) -> dict:
+    cfg = RECIPES[name]
+    changes = {}
+    if args is not None:
+        for key in ("out", "time_budget_minutes", "steps", "resume", "seed"):
+            value = getattr(args, key, None)
+            if value is not None:
+                changes[key] = value
+    cfg = replace(cfg, **changes)
+    result = train_idlm(cfg)
+    command = " ".join(["selfspec", "train", name] + (sys.argv[2:] if sys.argv[1:2] == [name] else sys.argv[3:]))
+    finalize_provenance(Path(cfg.out), command)
+    if args is None or not getattr(args, "no_measure", False):
+        measured = measure(cfg.out)
+        record_measurement(Path(cfg.out), measured)
+        print(format_measurement(measured))
+        result["measured"] = measured
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    run_recipe(args.recipe, args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m selfspec.training.recipes", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in RECIPES:
+        p = sub.add_parser(name, help=f"train {name}")
+        add_arguments(p)
+        p.set_defaults(recipe=name)
+    p = sub.add_parser("measure", help="measure an exported model and record the numbers in its metadata")
+    p.add_argument("model", help="embedded name or export directory")
+    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--num-prompts", type=int, default=64)
+    args = parser.parse_args(argv)
+    if args.command == "measure":
+        from selfspec.models import resolve_model
+
+        m = measure(args.model, num_prompts=args.num_prompts)
+        print(format_measurement(m))
+        if not args.no_record:
+            record_measurement(resolve_model(args.model), m)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""On-policy data for the MASK positions: a model's own greedy continuations.
+
+ISD / RISD accept a proposal when it equals what the verify positions predict, and under greedy
+decoding those predictions are the model's own greedy continuation, not the corpus. This writes
+JSONL records `{"prefix_ids": [...], "ids": [...], "clean_loss": false}`: a prompt cut at a
+random place of the training split (no loss) and the model's greedy continuation of it (HF
+engine, AR mode), in token ids as generated. Training mixes them with the corpus
+(`--data stdlib FILE --data-weights ...`); `clean_loss: false` keeps them out of the clean
+(AR) half's loss, so the verify distribution is still learned from the corpus only.
+
+    python -m selfspec.training.selfgen --model tiny-base --out runs/selfgen/tiny-base.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def generate_selfgen(model: str, out: Path, num: int = 2048, prompt_tokens: int = 128, new_tokens: int = 128,
+                     batch_size: int = 64, seed: int = 0) -> dict:
+    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.engines.hf import HFEngine
+    from selfspec.training.data import load_data
+
+    started = time.time()
+    engine = HFEngine.from_pretrained(model, dtype=torch.float32)
+    stream = load_data(engine.tokenizer, ["stdlib"]).train.stream
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - prompt_tokens, (num,), generator=gen).tolist()
+    prompts = [stream[s : s + prompt_tokens].tolist() for s in starts]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokens = 0
+    with open(out, "w") as f:
+        for i in range(0, num, batch_size):
+            outs = engine.generate(prompts[i : i + batch_size], max_new_tokens=new_tokens, sampling=SamplingParams(),
+                                   mode="ar", batch_size=batch_size)
+            for p, o in zip(prompts[i : i + batch_size], outs):
+                if o.token_ids:
+                    f.write(json.dumps({"prefix_ids": p, "ids": o.token_ids, "clean_loss": False}) + "\n")
+                    tokens += len(o.token_ids)
+            print(f"selfgen: {min(num, i + batch_size)}/{num} continuations, {tokens:,} tokens, "
+                  f"{time.time() - started:.0f} s", flush=True)
+    return {"model": model, "file": str(out), "num": num, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+            "seed": seed, "tokens": tokens, "seconds": round(time.time() - started, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m selfspec.training.selfgen", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-base")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num", type=int, default=2048)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    info = generate_selfgen(args.model, Path(args.out), args.num, args.prompt_tokens, args.new_tokens,
+                            args.batch_size, args.seed)
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

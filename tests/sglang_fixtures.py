@@ -1,0 +1,253 @@
+"""Helpers and fixtures for the end-to-end tests of the selfspec SGLang plugin.
+
+Import what a test module needs (`from sglang_fixtures import ...`). Servers are started one at a
+time: the AR reference is computed by a session fixture that starts the AR server, collects its
+greedy outputs on the held-out prompts and stops it before any mode server starts; each test
+module then starts its own mode server (module scope) and compares against that reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from selfspec.serving import ServerProcess, ServerSpec, free_port
+
+#: Tokens per held-out prompt in the lossless comparisons (16 prompts).
+MAX_NEW = 32
+NUM_PROMPTS = 16
+#: Test servers run in float32: the AR server (decode path) and a mode server (verify path)
+#: compute the same logits through different attention code, and a bf16 rounding difference can
+#: flip a near-tie argmax. float32 keeps both paths within ~1e-6 of each other.
+TEST_DTYPE = os.environ.get("SELFSPEC_TEST_DTYPE", "float32")
+#: One OpenMP thread per server process: on a small shared machine two OpenMP threads that
+#: wait for each other at every op make a multi-token forward ~20x slower under contention.
+TEST_ENV = {"OMP_NUM_THREADS": os.environ.get("SELFSPEC_TEST_OMP_THREADS", "1")}
+
+
+def server_args(*extra: str) -> list[str]:
+    return ["--dtype", TEST_DTYPE, "--mem-fraction-static", "0.5", "--max-running-requests", "32", *extra]
+
+
+def start_server(tmp_path_factory, name: str, extra_args: list[str], model: str | Path = "tiny-base",
+                 env: dict | None = None) -> ServerProcess:
+    log = tmp_path_factory.mktemp(f"server-{name}") / "sglang.log"
+    spec = ServerSpec(str(model), port=free_port(), extra_args=list(extra_args))
+    proc = ServerProcess(spec, log_path=log, startup_timeout=600)
+    env = {**TEST_ENV, **(env or {})}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        proc.start()
+    except Exception:
+        print(log.read_text()[-6000:] if log.exists() else "(no log)")
+        proc.stop()
+        raise
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    proc.log_file = log
+    return proc
+
+
+def post_json(base_url: str, path: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def native_generate(base_url: str, input_ids: list[int], max_new_tokens: int = MAX_NEW, **sampling) -> dict:
+    sp = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    sp.update(sampling)
+    return post_json(base_url, "/generate", {"input_ids": input_ids, "sampling_params": sp})
+
+
+def burst(fn, items, concurrency: int = 16) -> list:
+    with ThreadPoolExecutor(concurrency) as ex:
+        return list(ex.map(fn, items))
+
+
+def internal_state(base_url: str) -> dict:
+    with urllib.request.urlopen(base_url + "/server_info", timeout=60) as r:
+        info = json.loads(r.read())
+    states = info.get("internal_states") or [{}]
+    return states[0]
+
+
+def tokens_in_use(base_url: str) -> int:
+    """KV tokens held by requests (running + cached prefixes locked by them). The tests run with
+    --disable-radix-cache, so finished requests hold nothing: 0 when idle."""
+    st = internal_state(base_url)
+    for key in ("kv_tokens_in_use",):
+        if key in st:
+            return st[key]
+    raise KeyError(f"no token usage in /server_info internal state: {sorted(st)}")
+
+
+def wait_tokens_zero(base_url: str, timeout: float = 30.0) -> int:
+    deadline = time.time() + timeout
+    used = tokens_in_use(base_url)
+    while used and time.time() < deadline:
+        time.sleep(0.5)
+        used = tokens_in_use(base_url)
+    return used
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b)) if len(a) != len(b) else -1
+
+
+@pytest.fixture(scope="session")
+def heldout_ids(heldout_prompts, tiny_base_path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_base_path))
+    return [tok(p, add_special_tokens=False)["input_ids"] for p in heldout_prompts[:NUM_PROMPTS]]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_base_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_base_path))
+
+
+@pytest.fixture(scope="session")
+def ar_reference(tmp_path_factory, heldout_ids) -> dict:
+    """Greedy outputs of the plain (AR) server on the held-out prompts, sequential requests.
+    The AR server is stopped before the fixture returns (one server at a time)."""
+    proc = start_server(tmp_path_factory, "ar", server_args("--disable-radix-cache"))
+    try:
+        outs = [native_generate(proc.base_url, ids)["output_ids"] for ids in heldout_ids]
+        texts = [openai_complete(proc.base_url, ids) for ids in heldout_ids]
+        return {"output_ids": outs, "texts": texts}
+    finally:
+        proc.stop()
+
+
+def openai_complete(base_url: str, prompt_ids: list[int], max_tokens: int = MAX_NEW, **kw) -> str:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=600)
+    out = client.completions.create(model="default", prompt=prompt_ids, max_tokens=max_tokens, temperature=0, **kw)
+    return out.choices[0].text
+
+
+def mode_server_fixture(name: str, extra: list[str], env: dict | None = None):
+    """A module-scoped fixture factory for a mode server."""
+
+    @pytest.fixture(scope="module")
+    def _server(tmp_path_factory, ar_reference):  # ar_reference first: its server is gone by now
+        proc = start_server(tmp_path_factory, name, server_args("--disable-radix-cache", *extra), env=env)
+        yield proc
+        proc.stop()
+
+    return _server
+
+
+def check_lossless(base_url: str, heldout_ids: list[list[int]], reference, concurrent: bool) -> dict:
+    """Greedy outputs of a mode server vs the AR server's, sequentially or as one 16-concurrent
+    burst: through the OpenAI client (completion text, the AR server's text through the same
+    client) and through the native API (token ids, token for token). `reference` is the
+    `ar_reference` fixture (or a bare list of token-id lists). Returns the native meta infos."""
+    ref_ids = reference["output_ids"] if isinstance(reference, dict) else reference
+    ref_texts = reference.get("texts") if isinstance(reference, dict) else None
+    run = (lambda fn: burst(fn, heldout_ids, 16)) if concurrent else (lambda fn: [fn(ids) for ids in heldout_ids])
+    bad = []
+    if ref_texts is not None:
+        texts = run(lambda ids: openai_complete(base_url, ids))
+        for i, (got, want) in enumerate(zip(texts, ref_texts)):
+            if got != want:
+                bad.append(f"prompt {i} (openai client): got {got!r} want {want!r}")
+    outs = run(lambda ids: native_generate(base_url, ids))
+    for i, (o, ref) in enumerate(zip(outs, ref_ids)):
+        got = o["output_ids"]
+        if got != ref:
+            k = first_mismatch(got, ref)
+            bad.append(f"prompt {i}: first difference at token {k}: got {got[k:k + 4]} want {ref[k:k + 4]}")
+    assert not bad, f"{len(bad)} outputs differ from AR greedy:\n" + "\n".join(bad)
+    return {"metas": [o["meta_info"] for o in outs]}
+
+
+# ------------------------------------------------------------------ checkpoints for the failure tests
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def make_random_lora(base: Path, out: Path, rank: int = 8, seed: int = 0, base_sha256: str | None = None) -> Path:
+    """A randomly initialised PEFT LoRA adapter over `base` (every projection; B != 0, so the
+    adapter changes the MASK positions' outputs), with selfspec.json naming its base."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft_model = get_peft_model(model, cfg)
+    peft_model.save_pretrained(str(out))
+    from selfspec.decoding.metadata import write_metadata
+    from selfspec.sglang_ext.config import checkpoint_sha256
+
+    write_metadata(out, {"mode": "RISD", "base_model": str(base),
+                         "lora": {"rank": rank, "targets": list(cfg.target_modules),
+                                  "base_sha256": base_sha256 or checkpoint_sha256(base)}})
+    return out
+
+
+def launch_expect_failure(model: str | Path, extra_args: list[str], timeout: float = 300) -> tuple[int, str, float]:
+    """Start a real server that must refuse to start; returns (exit code, output, seconds)."""
+    spec = ServerSpec(str(model), port=free_port(), extra_args=list(extra_args))
+    argv, env = spec.command()
+    t0 = time.time()
+    try:
+        p = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the server did not fail within {timeout} s: {str(e.output)[-2000:]}") from None
+    return p.returncode, p.stdout, time.time() - t0
+
+
+def resolve_in_process(argv: list[str]):
+    """Parse and resolve SGLang server arguments in this process with the plugin loaded: runs the
+    same validation the launcher runs before it starts any worker process."""
+    from selfspec.sglang_ext import config as cfgmod
+
+    for k in (cfgmod.FLAGS_ENV, cfgmod.RESOLVED_ENV):
+        os.environ.pop(k, None)
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+
+    try:
+        sa = prepare_server_args(argv)
+        sa.resolve_once()
+        return sa
+    finally:
+        for k in (cfgmod.FLAGS_ENV, cfgmod.RESOLVED_ENV):
+            os.environ.pop(k, None)
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,191 @@
+"""Registration, configuration and fail-fast validation of the selfspec SGLang plugin.
+
+Most checks run SGLang's own argument parsing and resolution in this process with the plugin
+loaded (exactly what the launcher runs before it spawns any worker); two start a real server
+that must exit at startup with the message.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from sglang_fixtures import launch_expect_failure, make_random_lora, resolve_in_process
+
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = REPO / "serving_configs"
+
+
+def _argv(model, *extra):
+    return ["--model-path", str(model), "--device", "cpu", "--attention-backend", "torch_native",
+            "--max-total-tokens", "4096", *extra]
+
+
+def _resolve(model, *extra):
+    """The resolved server arguments (SGLang's resolving view: declarations applied)."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    return resolving_view(resolve_in_process(_argv(model, *extra)))
+
+
+def _fails(model, *extra) -> str:
+    from selfspec.sglang_ext.config import SelfSpecConfigError
+
+    with pytest.raises(SelfSpecConfigError) as info:
+        _resolve(model, *extra)
+    return str(info.value)
+
+
+@pytest.fixture(scope="module")
+def no_mask_model(tmp_path_factory, tiny_base_path) -> Path:
+    d = tmp_path_factory.mktemp("nomask") / "model"
+    shutil.copytree(tiny_base_path, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("mask_token", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.fixture(scope="module")
+def other_base_adapter(tmp_path_factory, tiny_base_path) -> Path:
+    return make_random_lora(tiny_base_path, tmp_path_factory.mktemp("other") / "adapter", rank=4,
+                            base_sha256="0" * 64)
+
+
+@pytest.fixture(scope="module")
+def good_adapter(tmp_path_factory, tiny_base_path) -> Path:
+    return make_random_lora(tiny_base_path, tmp_path_factory.mktemp("good") / "adapter", rank=4)
+
+
+def test_algorithms_registered_with_complete_spec_class():
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    resolve_in_process  # noqa: B018  (plugin loading happens in resolve_in_process)
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    for name in ("ISD", "RISD", "JACOBI", "SJD"):
+        algo = SpeculativeAlgorithm.from_string(name)
+        assert algo.is_speculative() and algo.is_ngram() and not algo.has_draft_kv()
+        # what 0.5.23's scheduler calls on every algorithm but CustomSpecAlgo lacks
+        assert algo.carries_draft_hidden_states() is False
+        assert algo.need_topk() is False
+        assert algo.get_platform_worker_cls() is None
+        assert callable(algo.create_future_map)
+
+
+def test_defaults_and_width(tiny_base_path):
+    sa = _resolve(tiny_base_path, "--speculative-algorithm", "ISD")
+    assert sa.speculative_num_draft_tokens == 7  # 2N-1 with the default N = 4
+    sa = _resolve(tiny_base_path, "--speculative-algorithm", "SJD", "--selfspec-options", "window=6")
+    assert sa.speculative_num_draft_tokens == 7
+    assert sa.disable_overlap_schedule is True
+    assert sa.enable_mixed_chunk is False
+
+
+def test_presets_parse_and_apply(tiny_base_path):
+    from selfspec.sglang_ext.config import load_yaml_config
+
+    widths = {"isd-n4.yaml": 7, "risd-n4-lossless.yaml": None, "jacobi-mr.yaml": 44, "sjd.yaml": 5}
+    for name, width in widths.items():
+        data = load_yaml_config(PRESETS / name)
+        assert data["mode"] in ("ISD", "RISD", "JACOBI", "SJD")
+        assert (PRESETS / name).read_text().lstrip().startswith("#")  # each preset is commented
+        if width is None:
+            continue
+        sa = _resolve(tiny_base_path, "--selfspec-config", str(PRESETS / name))  # the preset names the mode
+        assert sa.speculative_algorithm == data["mode"]
+        assert sa.speculative_num_draft_tokens == width
+
+
+def test_flags_override_yaml(tiny_base_path):
+    sa = _resolve(tiny_base_path, "--selfspec-config", str(PRESETS / "isd-n4.yaml"), "--selfspec-stride", "3")
+    assert sa.speculative_num_draft_tokens == 5
+
+
+def test_checkpoint_metadata_supplies_defaults(tmp_path, tiny_base_path):
+    d = tmp_path / "idlm"
+    shutil.copytree(tiny_base_path, d)
+    (d / "selfspec.json").write_text(json.dumps({"mode": "isd", "stride": 5, "mask_token_id": 1}))
+    sa = _resolve(d, "--speculative-algorithm", "ISD")
+    assert sa.speculative_num_draft_tokens == 9
+
+
+def test_stride_out_of_range(tiny_base_path):
+    msg = _fails(tiny_base_path, "--speculative-algorithm", "ISD", "--selfspec-stride", "1")
+    assert "out of range" in msg and "--selfspec-stride" in msg
+    assert "out of range" in _fails(tiny_base_path, "--speculative-algorithm", "ISD", "--selfspec-stride", "64")
+
+
+def test_isd_without_mask_token(no_mask_model):
+    msg = _fails(no_mask_model, "--speculative-algorithm", "ISD")
+    assert "no mask token" in msg and "--selfspec-mask-token-id" in msg
+
+
+def test_risd_without_adapter(tiny_base_path):
+    msg = _fails(tiny_base_path, "--speculative-algorithm", "RISD")
+    assert "needs a gated LoRA adapter" in msg and "--selfspec-lora" in msg
+
+
+def test_risd_adapter_of_another_base(tiny_base_path, other_base_adapter):
+    msg = _fails(tiny_base_path, "--speculative-algorithm", "RISD", "--selfspec-lora", str(other_base_adapter))
+    assert "trained on another base" in msg
+
+
+def test_risd_adapter_of_this_base_resolves(tiny_base_path, good_adapter):
+    sa = _resolve(tiny_base_path, "--speculative-algorithm", "RISD", "--selfspec-lora", str(good_adapter))
+    assert sa.speculative_num_draft_tokens == 7
+
+
+def test_width_larger_than_kv_reservation(tiny_base_path):
+    msg = _fails(tiny_base_path, "--speculative-algorithm", "SJD", "--selfspec-options", "window=8",
+                 "--speculative-num-draft-tokens", "4")
+    assert "reserves only" in msg and "--speculative-num-draft-tokens" in msg
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--page-size", "16"], "--page-size 1"),
+    (["--enable-mixed-chunk"], "--enable-mixed-chunk"),
+    (["--speculative-draft-model-path", "SELF"], "draft-free"),
+    (["--attention-backend", "triton"], "torch_native"),
+    (["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"], "DP attention"),
+    (["--pp-size", "2"], "pipeline parallelism"),
+    (["--speculative-adaptive"], "fixed verify width"),
+])
+def test_unsupported_combinations(tiny_base_path, extra, needle):
+    argv = _argv(tiny_base_path, "--speculative-algorithm", "JACOBI")
+    extra = [str(tiny_base_path) if a == "SELF" else a for a in extra]
+    if "--attention-backend" in extra:
+        i = argv.index("--attention-backend")
+        del argv[i:i + 2]
+    from selfspec.sglang_ext.config import SelfSpecConfigError
+
+    with pytest.raises(SelfSpecConfigError) as info:
+        resolve_in_process(argv + extra)
+    assert needle in str(info.value)
+
+
+def test_unknown_option_and_mismatched_preset(tiny_base_path):
+    assert "unknown JACOBI option" in _fails(tiny_base_path, "--speculative-algorithm", "JACOBI",
+                                             "--selfspec-options", "blocksize=8")
+    assert "is a ISD preset" in _fails(tiny_base_path, "--speculative-algorithm", "SJD",
+                                       "--selfspec-config", str(PRESETS / "isd-n4.yaml"))
+
+
+@pytest.mark.server
+def test_real_server_fails_fast_with_message(tiny_base_path):
+    code, out, seconds = launch_expect_failure(tiny_base_path, ["--speculative-algorithm", "RISD"])
+    assert code != 0
+    assert "needs a gated LoRA adapter" in out
+    code, out, seconds = launch_expect_failure(tiny_base_path, ["--speculative-algorithm", "ISD",
+                                                                "--selfspec-stride", "0"])
+    assert code != 0 and "out of range" in out
+    assert "Uvicorn running" not in out
+
+
+def test_risd_with_tensor_parallelism_refused(tiny_base_path, good_adapter):
+    msg = _fails(tiny_base_path, "--speculative-algorithm", "RISD", "--selfspec-lora", str(good_adapter),
+                 "--tp-size", "2")
+    assert "--tp-size 1" in msg

@@ -1,0 +1,184 @@
+"""ISD served by stock SGLang through the selfspec plugin (`--speculative-algorithm ISD`).
+
+One ISD server (module scope) on tiny-base: its tokenizer has a [MASK] token, so ISD runs on it
+losslessly even though the untrained mask embedding proposes poorly. Besides the lossless check,
+this module carries the request-level edge cases shared by every mode (they exercise the same
+worker): seeded sampling, max_tokens, stop strings and stop tokens, streaming, abort, KV usage.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import openai
+import pytest
+from sglang_fixtures import (
+    MAX_NEW,
+    ar_reference,  # noqa: F401  (fixture)
+    burst,
+    check_lossless,
+    heldout_ids,  # noqa: F401  (fixture)
+    mode_server_fixture,
+    native_generate,
+    tokenizer,  # noqa: F401  (fixture)
+    tokens_in_use,
+    wait_tokens_zero,
+)
+
+pytestmark = pytest.mark.server
+
+server = mode_server_fixture("isd", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3", "--enable-metrics"])
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+
+def test_isd_greedy_equals_ar_sequential(server, heldout_ids, ar_reference):
+    res = check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=False)
+    meta = res["metas"][0]
+    assert meta["selfspec_mode"] == "ISD"
+    assert meta["spec_verify_ct"] >= 1
+    assert meta["selfspec_tpf"] == pytest.approx(meta["completion_tokens"] / (meta["spec_verify_ct"] + 1))
+    assert meta["selfspec_accept_length"] >= 1.0
+
+
+def test_isd_greedy_equals_ar_burst_and_kv_released(server, heldout_ids, ar_reference):
+    check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=True)
+    assert wait_tokens_zero(server.base_url) == 0
+
+
+def test_openai_client_text_equals_ar(client, heldout_ids, ar_reference, tokenizer):
+    for ids, ref in list(zip(heldout_ids, ar_reference["output_ids"]))[:4]:
+        out = client.completions.create(model="default", prompt=ids, max_tokens=MAX_NEW, temperature=0)
+        assert out.choices[0].text == tokenizer.decode(ref, skip_special_tokens=True)
+        assert out.usage.completion_tokens == len(ref)
+
+
+def test_chat_completion(client):
+    out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Sort a list."}],
+                                         max_tokens=12, temperature=0)
+    assert out.choices[0].message.content is not None
+    assert 0 < out.usage.completion_tokens <= 12
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 7])
+def test_max_tokens_exact(server, heldout_ids, ar_reference, max_tokens):
+    ids, ref = heldout_ids[1], ar_reference["output_ids"][1]
+    out = native_generate(server.base_url, ids, max_new_tokens=max_tokens)
+    assert out["output_ids"] == ref[:max_tokens]
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_stop_token_exact(server, heldout_ids, ar_reference):
+    ids, ref = heldout_ids[2], ar_reference["output_ids"][2]
+    k = 5  # stop at the first occurrence of the reference's 6th token
+    stop_tok = ref[k]
+    first = ref.index(stop_tok)
+    out = native_generate(server.base_url, ids, stop_token_ids=[stop_tok])
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert out["output_ids"][:first] == ref[:first]
+    assert len(out["output_ids"]) <= first + 1
+
+
+def test_stop_string_exact(client, heldout_ids, ar_reference, tokenizer):
+    ids, ref = heldout_ids[3], ar_reference["output_ids"][3]
+    full = tokenizer.decode(ref, skip_special_tokens=True)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop and stop in full
+    want = full[: full.index(stop)]
+    out = client.completions.create(model="default", prompt=ids, max_tokens=MAX_NEW, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == want
+
+
+def test_streaming_equals_non_streaming(client, heldout_ids):
+    kwargs = dict(model="default", prompt=heldout_ids[4], max_tokens=24, temperature=0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert len(pieces) > 1
+    assert "".join(pieces) == whole.choices[0].text
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].completion_tokens == whole.usage.completion_tokens
+
+
+def test_streaming_with_stop_and_tiny_max_tokens(client, heldout_ids, tokenizer, ar_reference):
+    ids, ref = heldout_ids[5], ar_reference["output_ids"][5]
+    one = list(client.completions.create(model="default", prompt=ids, max_tokens=1, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in one if c.choices) == tokenizer.decode(ref[:1], skip_special_tokens=True)
+    full = tokenizer.decode(ref, skip_special_tokens=True)
+    stop = full[len(full) // 3: len(full) // 3 + 2]
+    chunks = list(client.completions.create(model="default", prompt=ids, max_tokens=MAX_NEW, temperature=0,
+                                            stream=True, stop=[stop]))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full[: full.index(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1] == "stop"
+
+
+def test_sampling_valid_and_reproducible_with_seed(server, heldout_ids, tokenizer):
+    ids = heldout_ids[6]
+    kw = dict(max_new_tokens=24, temperature=0.8, top_p=0.95, top_k=50)
+    a = native_generate(server.base_url, ids, sampling_seed=1234, **kw)
+    b = native_generate(server.base_url, ids, sampling_seed=1234, **kw)
+    c = native_generate(server.base_url, ids, sampling_seed=99, **kw)
+    assert a["output_ids"] == b["output_ids"]
+    assert len(a["output_ids"]) == 24 or a["meta_info"]["finish_reason"]["type"] == "stop"
+    assert all(0 <= t < len(tokenizer) for t in a["output_ids"])
+    assert isinstance(tokenizer.decode(a["output_ids"]), str)
+    # a seeded request is reproducible whatever runs beside it
+    outs = burst(lambda s: native_generate(server.base_url, ids, sampling_seed=s, **kw), [1234, 99, 7, 1234])
+    assert outs[0]["output_ids"] == a["output_ids"] == outs[3]["output_ids"]
+    assert outs[1]["output_ids"] == c["output_ids"]
+
+
+def test_sampling_through_openai_client_with_seed(client, heldout_ids):
+    kw = dict(model="default", prompt=heldout_ids[7], max_tokens=16, temperature=1.0, seed=5)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_aborted_stream_frees_kv_and_server_keeps_serving(client, server, heldout_ids, ar_reference):
+    stream = client.completions.create(model="default", prompt=heldout_ids[8], max_tokens=3000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    for chunk in stream:
+        got += 1
+        if got >= 3:
+            break
+    assert tokens_in_use(server.base_url) > 0  # the request holds KV while it runs
+    stream.close()
+    deadline = time.time() + 60
+    while tokens_in_use(server.base_url) and time.time() < deadline:
+        time.sleep(0.5)
+    assert tokens_in_use(server.base_url) == 0
+    out = native_generate(server.base_url, heldout_ids[9])
+    assert out["output_ids"] == ar_reference["output_ids"][9]
+
+
+def test_invalid_request_gets_400(client):
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model="default", prompt="x = ", max_tokens=4, temperature=0, frequency_penalty=1.0)
+    assert info.value.status_code == 400
+    assert "does not support" in str(info.value)
+
+
+def test_logprobs_refused_with_400(client):
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model="default", prompt="x = ", max_tokens=4, temperature=0, logprobs=2)
+    assert info.value.status_code == 400
+    assert "logprobs" in str(info.value)
+
+
+def test_aggregate_tpf_in_logs_metrics_and_server_info(server, heldout_ids):
+    from sglang_fixtures import internal_state
+
+    burst(lambda ids: native_generate(server.base_url, ids, max_new_tokens=64), heldout_ids[:8])
+    state = internal_state(server.base_url)
+    assert state["selfspec"]["mode"] == "ISD" and state["selfspec"]["tokens_per_forward"] >= 1.0
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    assert "sglang:spec_accept_length" in text
+    assert 'selfspec:tokens_per_forward{mode="ISD"}' in text
+    assert "[selfspec] ISD: accepted length" in server.log_file.read_text()

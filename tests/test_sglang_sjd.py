@@ -1,0 +1,40 @@
+"""SJD served by stock SGLang: greedy SJD equals AR; sampled SJD is valid and seed-reproducible."""
+
+from __future__ import annotations
+
+import pytest
+from sglang_fixtures import (
+    ar_reference,  # noqa: F401  (fixture)
+    burst,
+    check_lossless,
+    heldout_ids,  # noqa: F401  (fixture)
+    mode_server_fixture,
+    native_generate,
+    tokenizer,  # noqa: F401  (fixture)
+    wait_tokens_zero,
+)
+
+pytestmark = pytest.mark.server
+
+server = mode_server_fixture("sjd", ["--speculative-algorithm", "SJD", "--selfspec-options", "window=4,history_offset=8"])
+
+
+def test_sjd_greedy_equals_ar_sequential(server, heldout_ids, ar_reference):
+    res = check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=False)
+    assert all(m["selfspec_mode"] == "SJD" for m in res["metas"])
+
+
+def test_sjd_greedy_equals_ar_burst_and_kv_released(server, heldout_ids, ar_reference):
+    check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=True)
+    assert wait_tokens_zero(server.base_url) == 0
+
+
+def test_sjd_sampling_reproducible_in_any_batch(server, heldout_ids, tokenizer):
+    kw = dict(max_new_tokens=24, temperature=0.9, top_p=0.9)
+    ids = heldout_ids[0]
+    alone = native_generate(server.base_url, ids, sampling_seed=42, **kw)["output_ids"]
+    mixed = burst(lambda x: native_generate(server.base_url, x[0], sampling_seed=x[1], **kw),
+                  [(ids, 42)] + [(heldout_ids[i], i) for i in range(1, 8)])
+    assert mixed[0]["output_ids"] == alone
+    assert all(0 <= t < len(tokenizer) for t in alone)
+    assert wait_tokens_zero(server.base_url) == 0

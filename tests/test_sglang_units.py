@@ -1,0 +1,215 @@
+"""Unit tests of the selfspec SGLang plugin's pieces that need no server: the torch_native
+verify attention, the verify mask layouts, step padding, the gated LoRA mapping onto SGLang's
+fused layers, request checks and per-request metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from selfspec.decoding.step import StepLayout, branch_visibility, collate
+
+
+def _naive(q, k_cache, v_cache, rows, L, local, scale):
+    """Per request: softmax over [prefix | step] with an explicit -inf mask, GQA by repeat."""
+    out = []
+    hq, hk = q.shape[1], k_cache.shape[1]
+    for r, (slots, n) in enumerate(zip(rows, L)):
+        W = local.shape[-1]
+        k = k_cache[slots[: n + W]].repeat_interleave(hq // hk, dim=1)  # [T, Hq, D]
+        v = v_cache[slots[: n + W]].repeat_interleave(hq // hk, dim=1)
+        qr = q[r * W:(r + 1) * W]  # [W, Hq, D]
+        scores = torch.einsum("whd,thd->hwt", qr, k) * scale
+        mask = torch.cat([torch.ones(W, n, dtype=torch.bool), local[r]], dim=1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out.append(torch.einsum("hwt,thd->whd", scores.softmax(-1), v))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_verify_attention_matches_naive_reference(full):
+    from selfspec.sglang_ext.attention import verify_attention
+    from selfspec.sglang_ext.worker import build_custom_mask
+
+    torch.manual_seed(0)
+    hq, hk, d, W = 4, 2, 16, 5
+    L = [3, 9, 6]
+    slots = 64
+    k_cache, v_cache = torch.randn(slots, hk, d), torch.randn(slots, hk, d)
+    perm = torch.randperm(slots)
+    req_to_token = torch.zeros(4, 32, dtype=torch.int32)
+    rows = []
+    for r, n in enumerate(L):
+        s = perm[r * 20:r * 20 + n + W]
+        req_to_token[r + 1, : n + W] = s.to(torch.int32)
+        rows.append(s)
+    branch = torch.tensor([[0, 1, 1, 2, 2], [0, 0, 0, 0, 0], [0, 1, 2, 1, -1]])
+    local = branch_visibility(branch)
+    q = torch.randn(len(L) * W, hq, d)
+    out = torch.empty_like(q)
+    mask = build_custom_mask(local, L, full)
+    verify_attention(q, k_cache, v_cache, req_to_token, torch.tensor([1, 2, 3]), L, W, mask, 1 / math.sqrt(d), out)
+    want = _naive(q, k_cache, v_cache, rows, L, local, 1 / math.sqrt(d))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_full_mask_layout_matches_sglang_ngram_layout():
+    from selfspec.sglang_ext.worker import build_custom_mask
+
+    local = branch_visibility(torch.tensor([[0, 1, 1], [0, 0, 0]]))
+    full = build_custom_mask(local, [2, 1], full=True)
+    assert full.numel() == 3 * (2 + 3) + 3 * (1 + 3)  # sum over requests of W * (L + W)
+    first = full[: 3 * 5].view(3, 5)
+    assert first[:, :2].all() and torch.equal(first[:, 2:], local[0])
+    assert torch.equal(build_custom_mask(local, [2, 1], full=False), local.flatten())
+
+
+def test_pad_layout_keeps_real_tokens_blind_to_padding():
+    from selfspec.sglang_ext.worker import pad_layout
+
+    lay = StepLayout([7, 8, 9], offsets=[0, 1, 2], branch=[0, 1, 1], gate=[False, True, True])
+    padded = pad_layout(lay, 6, pad_token=1)
+    assert padded.tokens == [7, 8, 9, 1, 1, 1] and padded.offsets == [0, 1, 2, 3, 4, 5]
+    assert padded.gate == [False, True, True, False, False, False]
+    batch = collate([padded, pad_layout(StepLayout([5]), 6, 1)])
+    assert not batch.local[0, :3, 3:].any()  # real queries never see padding
+    assert batch.local[0, 3:, 0].all()  # padding sees the trunk (no fully masked rows)
+    assert torch.equal(batch.local[0, :3, :3], branch_visibility(torch.tensor([[0, 1, 1]]))[0])
+    with pytest.raises(RuntimeError):
+        pad_layout(StepLayout([1] * 7), 6, 1)
+
+
+class _FakeLayer(torch.nn.Module):
+    def __init__(self, weight, output_sizes=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if output_sizes is not None:
+            self.output_sizes = output_sizes
+
+
+def _base_apply(self, layer, x, bias=None):
+    return torch.nn.functional.linear(x, layer.weight, bias)
+
+
+def test_gated_lora_on_fused_qkv_matches_peft_and_keeps_gated_off_rows_exact(tmp_path, tiny_base_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.sglang_ext import lora as loramod
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_base_path), dtype=torch.float32)
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                target_modules=["q_proj", "v_proj", "down_proj"]))
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    attn = peft_model.base_model.model.model.layers[0].self_attn
+    mlp = peft_model.base_model.model.model.layers[0].mlp
+    q, k, v = attn.q_proj.base_layer.weight, attn.k_proj.weight, attn.v_proj.base_layer.weight
+    sizes = [q.shape[0], k.shape[0], v.shape[0]]
+
+    # an SGLang-shaped model: fused qkv_proj with output_sizes, plain down_proj
+    sg = torch.nn.Module()
+    sg.model = torch.nn.Module()
+    layer0 = torch.nn.Module()
+    layer0.self_attn = torch.nn.Module()
+    layer0.mlp = torch.nn.Module()
+    layer0.self_attn.qkv_proj = _FakeLayer(torch.cat([q, k, v]).detach().clone(), sizes)
+    layer0.mlp.down_proj = _FakeLayer(mlp.down_proj.base_layer.weight.detach().clone())
+    sg.model.layers = torch.nn.ModuleList([layer0])
+    # the adapter covers every layer; keep only layer 0's tensors for this fake model
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    save_file({k_: t for k_, t in state.items() if ".layers.0." in k_},
+              str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    handle = loramod.attach_to_sglang_model(sg, str(tmp_path / "adapter"))
+    assert len(handle.layers) == 2
+
+    x = torch.randn(6, q.shape[1])
+    gate = torch.tensor([False, True, False, True, True, False])
+    base = _base_apply(None, layer0.self_attn.qkv_proj, x)
+    with loramod.gate(handle, gate):
+        got = loramod._apply_around(_base_apply, None, layer0.self_attn.qkv_proj, x)
+    with torch.no_grad():
+        want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)  # PEFT: LoRA on every row
+    assert torch.equal(got[~gate], base[~gate])  # bit for bit the base layer where the gate is off
+    torch.testing.assert_close(got[gate], want[gate], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got[gate], base[gate])  # the adapter does act at gated rows
+    # no gate (prefill, other modes): the original method untouched
+    assert torch.equal(loramod._apply_around(_base_apply, None, layer0.self_attn.qkv_proj, x), base)
+
+    xd = torch.randn(6, mlp.down_proj.base_layer.weight.shape[1])
+    with loramod.gate(handle, gate):
+        got = loramod._apply_around(_base_apply, None, layer0.mlp.down_proj, xd)
+    with torch.no_grad():
+        want = mlp.down_proj(xd)
+    torch.testing.assert_close(got[gate], want[gate], rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[~gate], _base_apply(None, layer0.mlp.down_proj, xd)[~gate])
+
+
+def test_adapter_for_another_shape_is_refused(tmp_path, tiny_base_path):
+    from selfspec.sglang_ext import lora as loramod
+
+    sg = torch.nn.Module()
+    sg.model = torch.nn.Module()
+    layer0 = torch.nn.Module()
+    layer0.mlp = torch.nn.Module()
+    layer0.mlp.down_proj = _FakeLayer(torch.zeros(7, 5))
+    sg.model.layers = torch.nn.ModuleList([layer0])
+    from safetensors.torch import save_file
+
+    d = tmp_path / "a"
+    d.mkdir()
+    (d / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 2}')
+    save_file({"base_model.model.model.layers.0.mlp.down_proj.lora_A.weight": torch.zeros(2, 9),
+               "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight": torch.zeros(7, 2)},
+              str(d / "adapter_model.safetensors"))
+    with pytest.raises(loramod.LoRAAttachError, match="another base"):
+        loramod.attach_to_sglang_model(sg, str(d))
+
+
+def test_request_checks():
+    from types import SimpleNamespace
+
+    from selfspec.sglang_ext.request_checks import check_sampling_params
+
+    def sp(**kw):
+        base = dict(top_k=1, frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_p=0.0,
+                    logit_bias=None, min_new_tokens=0, json_schema=None, regex=None, ebnf=None, structural_tag=None)
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    check_sampling_params(sp(), "JACOBI")
+    check_sampling_params(sp(top_k=50), "SJD")
+    with pytest.raises(ValueError, match="greedy only"):
+        check_sampling_params(sp(top_k=50), "JACOBI")
+    with pytest.raises(ValueError, match="penalties"):
+        check_sampling_params(sp(repetition_penalty=1.2), "ISD")
+    with pytest.raises(ValueError, match="constrained decoding"):
+        check_sampling_params(sp(regex="a+"), "RISD")
+
+
+def test_request_metrics_conventions():
+    from selfspec.sglang_ext.metrics import request_metrics
+
+    m = request_metrics(completion_tokens=10, verify_ct=3)
+    assert m["selfspec_tpf"] == pytest.approx(10 / 4)  # prefill counts as a forward
+    assert m["selfspec_accept_length"] == pytest.approx(9 / 3)
+
+
+def test_sampling_from_sglang_params():
+    from types import SimpleNamespace
+
+    from selfspec.sglang_ext.worker import base_seed_for, sampling_from_req
+
+    greedy = SimpleNamespace(sampling_params=SimpleNamespace(top_k=1, temperature=1.0, top_p=1.0, sampling_seed=None),
+                             rid="a")
+    assert sampling_from_req(greedy).greedy
+    sampled = SimpleNamespace(sampling_params=SimpleNamespace(top_k=1 << 30, temperature=0.7, top_p=0.9,
+                                                              sampling_seed=5), rid="b")
+    p = sampling_from_req(sampled)
+    assert (p.temperature, p.top_k, p.top_p) == (0.7, 0, 0.9)
+    assert base_seed_for(sampled) == 5
+    assert base_seed_for(greedy) == base_seed_for(greedy)  # derived from the id: same on every TP rank
