@@ -10,6 +10,7 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 EMBEDDED_MODELS: dict[str, str] = {
     "tiny-base": "Qwen3-architecture causal LM (~5M parameters) trained on the Python standard library",
+    "tiny-idlm": "I-DLM conversion of tiny-base (stride N=4, [MASK] proposals): serves ISD",
 }
 
 

@@ -438,3 +438,25 @@ def test_curriculum_schedule_and_time_plan():
     assert state["planned_steps"] == 20
     with pytest.raises(ValueError):
         IDLMConfig(base="b", out="o", stride=4, curriculum=[2, 3])
+
+
+def test_on_policy_records_train_the_mask_half_only_and_mix_by_weight(micro_dir, data_file, tmp_path):
+    from transformers import AutoTokenizer
+
+    from selfspec.training.data import LOSS_BOTH, LOSS_CLEAN, LOSS_MASK_ONLY, batch_generator, load_data
+
+    tok = AutoTokenizer.from_pretrained(micro_dir)
+    f = tmp_path / "selfgen.jsonl"
+    f.write_text("".join(json.dumps({"prefix_ids": [5, 6, 7], "ids": [8, 9, 10, 11], "clean_loss": False}) + "\n"
+                         for _ in range(30)))
+    data = load_data(tok, [str(data_file), str(f)], [0.75, 0.25])
+    assert data.train.rows_per_part(8) == [6, 2]
+    ids, lm = data.train.sample(batch_generator(0, 0, 0, 0), 8, 16)
+    assert ids.shape == lm.shape == (8, 17)
+    assert bool((lm[:6] == LOSS_BOTH).all())  # text rows: both halves
+    assert ids[6, :7].tolist() == [5, 6, 7, 8, 9, 10, 11] and lm[6, :7].tolist() == [0, 0, 0] + [LOSS_MASK_ONLY] * 4
+    mask_labels = shifted_labels(ids, (lm & LOSS_MASK_ONLY) > 0)
+    clean_labels = shifted_labels(ids, (lm & LOSS_CLEAN) > 0)
+    assert mask_labels[6, :6].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 8, 9, 10, 11]
+    assert bool((clean_labels[6:] == IGNORE_INDEX).all())
+    assert data.heldout.num_tokens > 0 and not data.heldout.chat  # held-out = the first source

@@ -3,8 +3,9 @@
     selfspec train tiny-idlm        # full I-DLM conversion of tiny-base, curriculum N = 2 -> 3 -> 4
     selfspec train tiny-idlm-lora   # gated LoRA over a frozen tiny-base (RISD), same curriculum
 
-Each trains with `selfspec.training.idlm` on the stdlib corpus (tiny-base's train split) under a
-wall-clock budget (the step plan adapts to the machine's speed so the schedule always anneals),
+Each trains with `selfspec.training.idlm` on the stdlib corpus (tiny-base's train split) mixed
+50/50 with on-policy data (tiny-base's own greedy continuations of train-split prompts, MASK half
+only; generated first if missing, see `SELFGEN`) under a wall-clock budget (the step plan adapts to the machine's speed so the schedule always anneals),
 exports to `selfspec/assets/<name>/` (checkpoints go to runs/<name>/, outside the package), then
 measures on the held-out prompts (bench/prompts/heldout.jsonl) with the HF engine and writes the
 numbers into the export's selfspec.json (`metrics.measured`) and provenance.json:
@@ -32,11 +33,18 @@ from selfspec.training.idlm import IDLMConfig, train_idlm
 REPO = Path(__file__).resolve().parents[2]
 HELDOUT_PROMPTS = REPO / "bench" / "prompts" / "heldout.jsonl"
 
+# On-policy data of both recipes: tiny-base's greedy continuations of 1024 prompts cut from the
+# train split (`selfspec.training.selfgen`), mixed 50/50 with the corpus; they train the MASK half
+# only (the clean / AR half learns from the corpus alone).
+SELFGEN = {"model": "tiny-base", "num": 1024, "prompt_tokens": 128, "new_tokens": 128, "seed": 0}
+SELFGEN_FILE = REPO / "runs" / "selfgen" / "tiny-base.jsonl"
+
 RECIPES: dict[str, IDLMConfig] = {
     "tiny-idlm": IDLMConfig(
         base="tiny-base", out=str(ASSETS_DIR / "tiny-idlm"), name="tiny-idlm", base_ref="tiny-base",
         stride=4, curriculum=[2, 3, 4], stage_fractions=[0.15, 0.2, 0.65],
-        seq_len=256, batch_size=8, steps=3000, time_budget_minutes=36.0,
+        data=["stdlib", str(SELFGEN_FILE)], data_weights=[0.5, 0.5],
+        seq_len=256, batch_size=8, steps=3000, time_budget_minutes=32.0,
         lr=7e-4, min_lr_ratio=0.05, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
         ce_scale=0.2, auto_balance_from=4, eval_every=100, eval_tokens=16384, save_every=200,
         checkpoint_dir=str(REPO / "runs" / "tiny-idlm"), seed=0, threads=1, mixed_precision="bf16",
@@ -45,7 +53,8 @@ RECIPES: dict[str, IDLMConfig] = {
         base="tiny-base", out=str(ASSETS_DIR / "tiny-idlm-lora"), name="tiny-idlm-lora", base_ref="tiny-base",
         stride=4, curriculum=[2, 3, 4], stage_fractions=[0.15, 0.2, 0.65],
         lora_rank=64, lora_alpha=128.0,
-        seq_len=256, batch_size=8, steps=3000, time_budget_minutes=30.0,
+        data=["stdlib", str(SELFGEN_FILE)], data_weights=[0.5, 0.5],
+        seq_len=256, batch_size=8, steps=3000, time_budget_minutes=28.0,
         lr=3e-3, min_lr_ratio=0.05, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
         eval_every=100, eval_tokens=16384, save_every=200,
         checkpoint_dir=str(REPO / "runs" / "tiny-idlm-lora"), seed=0, threads=1, mixed_precision="bf16",
@@ -114,6 +123,8 @@ def measure(name_or_path: str, prompts_file: Path = HELDOUT_PROMPTS, max_new_tok
 
 
 def _relative(value):
+    if isinstance(value, list):
+        return [_relative(v) for v in value]
     if isinstance(value, str) and value.startswith(str(REPO) + "/"):
         return value[len(str(REPO)) + 1:]
     return value
@@ -137,6 +148,11 @@ def finalize_provenance(model_dir: Path, command: str) -> None:
         prov["config"] = {k: _relative(v) for k, v in prov.get("config", {}).items()}
         if "base" in prov:
             prov["base"]["path"] = _relative(prov["base"]["path"])
+        if str(SELFGEN_FILE) in (prov.get("config", {}).get("data") or []) or \
+                _relative(str(SELFGEN_FILE)) in (prov.get("config", {}).get("data") or []):
+            prov["selfgen"] = {**SELFGEN, "file": _relative(str(SELFGEN_FILE)),
+                               "command": "python -m selfspec.training.selfgen --model tiny-base "
+                                          f"--out {_relative(str(SELFGEN_FILE))} --num {SELFGEN['num']}"}
         prov_file.write_text(json.dumps(prov, indent=2, default=str) + "\n")
 
 
@@ -188,6 +204,11 @@ def run_recipe(name: str, args: argparse.Namespace | None = None) -> dict:
             if value is not None:
                 changes[key] = value
     cfg = replace(cfg, **changes)
+    if str(SELFGEN_FILE) in (cfg.data or []) and not SELFGEN_FILE.exists():
+        from selfspec.training.selfgen import generate_selfgen
+
+        generate_selfgen(SELFGEN["model"], SELFGEN_FILE, SELFGEN["num"], SELFGEN["prompt_tokens"],
+                         SELFGEN["new_tokens"], seed=SELFGEN["seed"])
     result = train_idlm(cfg)
     command = " ".join(["selfspec", "train", name] + (sys.argv[2:] if sys.argv[1:2] == [name] else sys.argv[3:]))
     finalize_provenance(Path(cfg.out), command)
