@@ -16,55 +16,9 @@ import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("triton") is None:  # not imported here: see below
-    pytest.skip("triton is not installed", allow_module_level=True)
+from kernel_interpreter import _interpreter_env, skip_unless_kernels_run_here  # noqa: E402,F401
 
-
-def _kernels_run_in_this_process() -> bool:
-    """On CUDA the kernels compile. Without CUDA they run in the Triton interpreter, which Triton
-    fixes when a kernel -- including triton.language's own helpers -- is decorated, i.e. at import:
-    TRITON_INTERPRET=1 is set only while triton and selfspec's kernel modules are first imported
-    (so later imports and subprocesses keep their environment). If this process imported triton
-    before, without the interpreter (`make test`: SGLang is imported by earlier test modules), these
-    tests are skipped here and test_kernels_subprocess.py runs them in a fresh process."""
-    if torch.cuda.is_available():
-        return True
-    modules = ("triton.language", "selfspec.kernels.gated_lora_triton", "selfspec.kernels.verify_triton")
-    if any(name not in sys.modules for name in modules):
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            for name in modules:
-                importlib.import_module(name)
-        finally:
-            if previous is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
-    import triton.language as tl
-
-    import selfspec.kernels.gated_lora_triton as glt_
-    import selfspec.kernels.verify_triton as vt_
-
-    return type(tl.max).__name__ == "InterpretedFunction" and vt_.INTERPRETED and glt_.INTERPRETED
-
-
-if not _kernels_run_in_this_process():
-    pytest.skip("triton was imported without TRITON_INTERPRET=1; test_kernels_subprocess.py runs these tests",
-                allow_module_level=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_env():
-    """Triton also consults TRITON_INTERPRET while interpreted kernels run (lazy imports,
-    constexpr helpers): set it for this module's tests only."""
-    if torch.cuda.is_available():
-        yield
-        return
-    patch = pytest.MonkeyPatch()
-    patch.setenv("TRITON_INTERPRET", "1")
-    yield
-    patch.undo()
+skip_unless_kernels_run_here()
 
 from selfspec.kernels import gated_lora_triton as glt  # noqa: E402
 from selfspec.kernels.gated_lora import gated_lora_linear_reference  # noqa: E402
