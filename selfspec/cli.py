@@ -162,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "takes_extra", False):
             return args.func(args, extra)
         return args.func(args)
-    except ModelNotFoundError as e:
-        print(f"selfspec: {e}", file=sys.stderr)
-        return 2
     except Exception as e:
+        from selfspec.decoding.step import ModeUnavailable
         from selfspec.serving import ServeError
 
-        if isinstance(e, ServeError):
+        # Problems the user can fix get one line, not a traceback: an unknown model, a mode
+        # the model cannot run (ISD without a [MASK] token), a port in use, a missing SGLang.
+        if isinstance(e, (ModelNotFoundError, ModeUnavailable, ServeError)):
             print(f"selfspec: {e}", file=sys.stderr)
             return 2
         raise
