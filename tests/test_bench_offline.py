@@ -7,7 +7,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from selfspec.benchmarks import offline
 from selfspec.engines.testing import save_random_adapter, tiny_qwen3
@@ -23,12 +22,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: 1 thread is faster
 
 
 @pytest.fixture(scope="module")

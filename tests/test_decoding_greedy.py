@@ -9,7 +9,6 @@ divergence is excused only at a genuine near tie of the reference step (top-2 lo
 from __future__ import annotations
 
 import pytest
-import torch
 
 from selfspec.engines.hf import HFEngine
 from selfspec.engines.testing import add_mask_token, compare_greedy, random_prompts, save_random_adapter, tiny_qwen3
@@ -19,12 +18,7 @@ MAX_NEW = 24
 N_PROMPTS = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: 1 thread is faster
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,7 @@ from selfspec.engines.testing import add_mask_token, random_prompts, tiny_qwen3
 M = 99  # mask token id in the pure tests
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: 1 thread is faster
 
 
 @pytest.mark.parametrize("stride", [2, 3, 4, 6])

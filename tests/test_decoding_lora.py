@@ -14,12 +14,7 @@ from selfspec.engines.lora import attach_gated_adapter
 from selfspec.engines.testing import add_mask_token, random_prompts, save_random_adapter, tiny_qwen3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: 1 thread is faster
 
 
 def tiny(arch: str, vocab: int = 64):

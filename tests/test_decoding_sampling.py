@@ -24,12 +24,7 @@ PROMPT = [1, 2, 3]
 STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: 1 thread is faster
 
 
 # ---------------------------------------------------------------- the verify rule alone

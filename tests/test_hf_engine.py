@@ -15,12 +15,7 @@ from selfspec.engines.testing import compare_greedy, random_prompts, tiny_qwen3
 VOCAB = 97
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: 1 thread is faster
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,10 @@ public verify functions reaching the kernels through it."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-import importlib
-import importlib.util
 
 import pytest
 

@@ -6,13 +6,9 @@ gated-on tokens are bit-identical on the cuBLAS path and within rounding on the 
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 
-import importlib
-import importlib.util
 
 import pytest
 

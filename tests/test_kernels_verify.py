@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 from collections import Counter
 
 import torch
 
-import importlib
-import importlib.util
 
 import pytest
 

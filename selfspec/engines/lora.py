@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -143,25 +144,31 @@ def _strip(key: str) -> str:
     return key
 
 
-def attach_gated_adapter(model: nn.Module, adapter_dir: str | Path, gate: LoRAGate | None = None) -> LoRAGate:
-    """Wrap the adapter's target modules of `model` (in place); returns the gate to drive them."""
+@dataclass
+class ParsedAdapter:
+    """A PEFT LoRA adapter sorted by what it changes (keys without the `base_model.model.` prefix)."""
+
+    config: dict
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # linear module -> (A, B, scaling)
+    token_rows: dict[str, torch.Tensor]  # embedding module -> trainable_tokens delta rows
+    saved: dict[str, dict[str, torch.Tensor]]  # modules_to_save module -> {"weight": ..., "bias": ...}
+
+
+def parse_adapter(adapter_dir: str | Path) -> ParsedAdapter:
+    """Read a PEFT LoRA adapter directory; the one parser the HF engine and the SGLang plugin share.
+    Raises ValueError naming the tensor it cannot place."""
     config, state = load_adapter_state(adapter_dir)
-    gate = gate or LoRAGate()
     bad = [k for k in state if any(u in k for u in _UNSUPPORTED)]
     if bad:
         raise ValueError(f"{adapter_dir}: unsupported adapter tensors (e.g. {bad[0]})")
-    r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
-    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    rslora = bool(config.get("use_rslora"))
-
-    lora: dict[str, dict[str, torch.Tensor]] = {}
-    saved: dict[str, dict[str, torch.Tensor]] = {}
+    ab_parts: dict[str, dict[str, torch.Tensor]] = {}
     token_rows: dict[str, torch.Tensor] = {}
+    saved: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
         key = _strip(key)
         m = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
         if m:
-            lora.setdefault(m.group(1), {})[m.group(2)] = tensor
+            ab_parts.setdefault(m.group(1), {})[m.group(2)] = tensor
             continue
         m = re.fullmatch(r"(.+)\.token_adapter\.trainable_tokens_delta(?:\.[^.]+)?", key)
         if m:
@@ -172,19 +179,31 @@ def attach_gated_adapter(model: nn.Module, adapter_dir: str | Path, gate: LoRAGa
             saved.setdefault(m.group(1), {})[m.group(2)] = tensor
             continue
         raise ValueError(f"{adapter_dir}: unrecognised adapter tensor {key}")
-
-    modules = dict(model.named_modules())
-    device = next(model.parameters()).device
-    for name, ab in lora.items():
+    r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    rslora = bool(config.get("use_rslora"))
+    lora = {}
+    for name, ab in ab_parts.items():
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{adapter_dir}: {name} lacks lora_A or lora_B")
+        r = _pattern_value(name, rank_pattern, r_default)
+        alpha = _pattern_value(name, alpha_pattern, alpha_default)
+        lora[name] = (ab["A"], ab["B"], float(alpha / (r**0.5) if rslora else alpha / r))
+    return ParsedAdapter(config, lora, token_rows, saved)
+
+
+def attach_gated_adapter(model: nn.Module, adapter_dir: str | Path, gate: LoRAGate | None = None) -> LoRAGate:
+    """Wrap the adapter's target modules of `model` (in place); returns the gate to drive them."""
+    adapter = parse_adapter(adapter_dir)
+    config, token_rows, saved = adapter.config, adapter.token_rows, adapter.saved
+    gate = gate or LoRAGate()
+    modules = dict(model.named_modules())
+    device = next(model.parameters()).device
+    for name, (lora_a, lora_b, scaling) in adapter.lora.items():
         base = modules.get(name)
         if not isinstance(base, nn.Linear):
             raise ValueError(f"{adapter_dir}: LoRA target {name} is not an nn.Linear of this model")
-        r = _pattern_value(name, rank_pattern, r_default)
-        alpha = _pattern_value(name, alpha_pattern, alpha_default)
-        scaling = alpha / (r**0.5) if rslora else alpha / r
-        _replace(model, name, GatedLoRALinear(base, ab["A"].to(device), ab["B"].to(device), scaling, gate))
+        _replace(model, name, GatedLoRALinear(base, lora_a.to(device), lora_b.to(device), scaling, gate))
     for name, params in saved.items():
         base = modules.get(name)
         if base is None:

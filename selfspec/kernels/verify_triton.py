@@ -295,7 +295,6 @@ def _spec_decide(
     tau = tl.load(tau_ptr + b)
     acc = (u * q < (1.0 + tau) * p) & (ii < nd_raw) & dmask
     L = tl.min(tl.where(acc, 2147483647, ii), axis=0)
-    rejected = L < nd_raw
 
     sel = ii == L
     mj = tl.max(tl.where(sel, m, float("-inf")), axis=0)

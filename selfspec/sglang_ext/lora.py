@@ -26,7 +26,6 @@ parallelism > 1.
 
 from __future__ import annotations
 
-import re
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -190,50 +189,21 @@ def install() -> None:
 
 
 # ------------------------------------------------------------------------------ attaching an adapter
-def _pattern_value(name: str, pattern: dict, default):
-    for key, value in (pattern or {}).items():
-        if name == key or re.fullmatch(rf"(.*\.)?{key}", name):
-            return value
-    return default
-
-
-def _strip(key: str) -> str:
-    return key[len("base_model.model."):] if key.startswith("base_model.model.") else key
-
-
 def read_adapter(adapter_dir: str | Path):
     """PEFT adapter -> ({hf_module: (A, B, scaling)}, {embedding_module: (kind, payload)}, config)."""
-    from selfspec.engines.lora import load_adapter_state
+    from selfspec.engines.lora import parse_adapter
 
-    config, state = load_adapter_state(adapter_dir)
-    r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
-    rslora = bool(config.get("use_rslora"))
-    lora: dict[str, dict[str, torch.Tensor]] = {}
-    emb: dict[str, tuple[str, torch.Tensor]] = {}
-    for key, tensor in state.items():
-        key = _strip(key)
-        m = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
-        if m:
-            lora.setdefault(m.group(1), {})[m.group(2)] = tensor
-            continue
-        m = re.fullmatch(r"(.+)\.token_adapter\.trainable_tokens_delta(?:\.[^.]+)?", key)
-        if m:
-            emb[m.group(1)] = ("rows", tensor)
-            continue
-        m = re.fullmatch(r"(.+?)(?:\.modules_to_save(?:\.[^.]+)?)?\.weight", key)
-        if m:
-            emb[m.group(1)] = ("table", tensor)
-            continue
-        raise LoRAAttachError(f"RISD adapter {adapter_dir}: unsupported tensor {key}")
-    out = {}
-    for name, ab in lora.items():
-        if set(ab) != {"A", "B"}:
-            raise LoRAAttachError(f"RISD adapter {adapter_dir}: {name} lacks lora_A or lora_B")
-        r = _pattern_value(name, config.get("rank_pattern"), r_default)
-        alpha = _pattern_value(name, config.get("alpha_pattern"), alpha_default)
-        scaling = alpha / (r ** 0.5) if rslora else alpha / r
-        out[name] = (ab["A"], ab["B"], float(scaling))
-    return out, emb, config
+    try:
+        adapter = parse_adapter(adapter_dir)
+    except ValueError as err:
+        raise LoRAAttachError(f"RISD adapter: {err}") from None
+    emb: dict[str, tuple[str, torch.Tensor]] = {name: ("rows", rows) for name, rows in adapter.token_rows.items()}
+    for name, params in adapter.saved.items():
+        if set(params) != {"weight"}:
+            raise LoRAAttachError(f"RISD adapter {adapter_dir}: modules_to_save {name} has a bias; only embedding "
+                                  "tables are supported")
+        emb[name] = ("table", params["weight"])
+    return adapter.lora, emb, adapter.config
 
 
 def _tp_size() -> int:
@@ -283,7 +253,7 @@ def attach_to_sglang_model(model: torch.nn.Module, adapter_dir: str) -> GatedLoR
         if not sizes:
             raise LoRAAttachError(f"RISD adapter {adapter_dir}: {name} has no output_sizes to place the LoRA parts")
         in_features = layer.weight.shape[1]
-        a_parts, b_blocks, r_total = [], [], 0
+        a_parts, r_total = [], 0
         for idx, (a, b, s) in sorted(parts.items()):
             a_parts.append((idx, a, b * s))
             r_total += a.shape[0]

@@ -314,7 +314,6 @@ def build_tree_kernel_efficient_cpu(
         return
     sel = selected_index.reshape(bs, -1).tolist()
     par = parent_list.reshape(bs, -1).tolist()
-    seq = verified_seq_len.reshape(-1).tolist()
 
     next_tok = retrive_next_token.reshape(bs, n).tolist()
     next_sib = retrive_next_sibling.reshape(bs, n).tolist()
