@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from selfspec.models import resolve_model
+from selfspec.models import resolve_with_adapter
 
 # On CPU the KV pool would otherwise be sized from free RAM (15 GB, nearly a minute to allocate).
 CPU_MAX_TOTAL_TOKENS = 65536
@@ -53,6 +53,29 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _adapter_args(adapter: Path, base: Path, extra: list[str]) -> list[str]:
+    """An adapter-only checkpoint (a RISD gated LoRA) is served as its base plus the adapter:
+    SGLang loads the base, the plugin attaches the adapter at MASK positions."""
+    algorithm = _flag_value(extra, "--speculative-algorithm")
+    if algorithm is None:
+        extra = extra + ["--speculative-algorithm", "RISD"]
+    elif algorithm.upper() != "RISD":
+        raise ServeError(f"{adapter} is a RISD adapter (gated LoRA over {base}); serve it with "
+                         f"--speculative-algorithm RISD, or serve the base itself for {algorithm}")
+    if not _has_flag(extra, "--selfspec-lora"):
+        extra = extra + ["--selfspec-lora", str(adapter)]
+    return extra
+
+
 @dataclass
 class ServerSpec:
     model: str
@@ -67,7 +90,10 @@ class ServerSpec:
                 "SGLang is not installed in this Python environment. Run `make setup` "
                 "(CPU development venv) or `pip install 'selfspec[gpu]'` (GPU), then retry."
             )
-        model_path = resolve_model(self.model)
+        model_path, adapter = resolve_with_adapter(self.model)
+        extra = list(self.extra_args)
+        if adapter is not None:
+            extra = _adapter_args(adapter, model_path, extra)
         if port_in_use(self.host, self.port):
             raise ServeError(f"port {self.port} on {self.host} is already in use; pick another with --port")
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
@@ -76,7 +102,6 @@ class ServerSpec:
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         use_cpu = (not cuda_available()) if self.cpu is None else self.cpu
-        extra = list(self.extra_args)
         if use_cpu:
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             defaults = {

@@ -120,6 +120,40 @@ def test_serve_cpu_defaults_and_passthrough(tiny_base_path):
     assert argv[-2:] == ["--speculative-algorithm", "NGRAM"]
 
 
+def _adapter_over_tiny_base(tmp_path):
+    """An adapter-only checkpoint naming the embedded tiny-base in its selfspec.json."""
+    from selfspec.engines.testing import save_random_adapter, tiny_qwen3
+
+    adapter = save_random_adapter(tiny_qwen3(64, seed=0), tmp_path / "adapter")
+    (adapter / "selfspec.json").write_text(json.dumps({"format_version": 1, "mode": "RISD", "stride": 4,
+                                                       "base_model": "tiny-base"}))
+    return adapter
+
+
+def test_adapter_only_checkpoint_serves_as_base_plus_adapter(tmp_path, tiny_base_path):
+    from selfspec.models import resolve_with_adapter
+    from selfspec.serving import free_port
+
+    adapter = _adapter_over_tiny_base(tmp_path)
+    assert resolve_with_adapter(adapter) == (tiny_base_path, adapter)
+    assert resolve_with_adapter("tiny-base") == (tiny_base_path, None)
+    argv, _ = ServerSpec(str(adapter), port=free_port(), cpu=True).command()
+    assert argv[argv.index("--model-path") + 1] == str(tiny_base_path)
+    assert argv[argv.index("--speculative-algorithm") + 1] == "RISD"
+    assert argv[argv.index("--selfspec-lora") + 1] == str(adapter)
+    with pytest.raises(ServeError, match="is a RISD adapter.*--speculative-algorithm RISD"):
+        ServerSpec(str(adapter), port=free_port(), cpu=True, extra_args=["--speculative-algorithm", "ISD"]).command()
+
+
+def test_adapter_without_a_findable_base_is_one_clear_line(tmp_path):
+    from selfspec.models import resolve_with_adapter
+
+    adapter = _adapter_over_tiny_base(tmp_path)
+    (adapter / "selfspec.json").write_text(json.dumps({"format_version": 1, "base_model": "no-such-base"}))
+    with pytest.raises(ModelNotFoundError, match="the base of adapter .* cannot be found"):
+        resolve_with_adapter(adapter)
+
+
 def test_arguments_after_dashdash_only_for_serve():
     out = _cli("models", "--", "--foo")
     assert out.returncode == 2 and "only accepted by `selfspec serve`" in out.stderr

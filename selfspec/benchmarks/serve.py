@@ -276,7 +276,7 @@ def _mode_extra(mode: str, args, model_dir: Path) -> tuple[list[str] | None, str
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfspec.models import resolve_model
+    from selfspec.models import resolve_with_adapter
     from selfspec.serving import ServerProcess, ServerSpec, cuda_available, free_port
 
     modes = [m.strip().lower() for m in args.modes.split(",") if m.strip()]
@@ -287,7 +287,9 @@ def run(args: argparse.Namespace) -> int:
         modes.remove("ar")
     modes = ["ar"] + modes
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
-    model_dir = resolve_model(args.model)
+    model_dir, adapter = resolve_with_adapter(args.model)  # an adapter-only model: its base, and RISD's adapter
+    if adapter is not None and args.lora is None:
+        args.lora = str(adapter)
     prompts_file = args.prompts or str(Path(__file__).resolve().parents[2] / "bench" / "prompts" / "heldout.jsonl")
     all_prompts = load_prompt_texts(prompts_file)
     prompts = level_prompts(all_prompts, 0, args.num_prompts)

@@ -85,20 +85,13 @@ class HFEngine:
         `base_model`, else adapter_config.json `base_model_name_or_path`) with the adapter."""
         from transformers import AutoModelForCausalLM
 
-        from selfspec.models import resolve_model
+        from selfspec.models import resolve_model, resolve_with_adapter
 
         path = resolve_model(path_or_name)
         metadata = load_metadata(path)
-        model_dir = path
-        if not (path / "config.json").exists() and (path / "adapter_config.json").exists():
-            import json
-
-            base = metadata.base_model_path if metadata and metadata.base_model else None
-            base = base or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-            if not base:
-                raise ValueError(f"adapter {path} names no base model (selfspec.json base_model)")
-            model_dir = resolve_model(base)
-            adapter = adapter or path
+        model_dir, own_adapter = resolve_with_adapter(path)
+        if own_adapter is not None:
+            adapter = adapter or own_adapter
             base_meta = load_metadata(model_dir)
             if metadata is None:
                 metadata = base_meta
@@ -198,7 +191,6 @@ class HFEngine:
         self.model._selfspec_gate = self._gate
 
     # ------------------------------------------------------------------ generation
-    @torch.inference_mode()
     def generate(
         self,
         prompt_ids: list[list[int]],
@@ -224,9 +216,10 @@ class HFEngine:
             raise ValueError(f"{mode_obj.name.upper()} decoding is greedy only (temperature 0)")
         size = batch_size or n
         outs: list[GenerationOutput] = []
-        for start in range(0, n, size):
-            sl = slice(start, start + size)
-            outs.extend(self._generate_batch(prompts[sl], params[sl], seeds[sl], stops, max_new_tokens, mode_obj))
+        with torch.inference_mode():  # (mode building above may attach an adapter: not in here)
+            for start in range(0, n, size):
+                sl = slice(start, start + size)
+                outs.extend(self._generate_batch(prompts[sl], params[sl], seeds[sl], stops, max_new_tokens, mode_obj))
         return outs
 
     def _forward(self, cache: SlotKVCache, batch) -> torch.Tensor:
