@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from selfspec.errors import UsageError
 from selfspec.models import ModelNotFoundError
 
 
@@ -167,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         from selfspec.serving import ServeError
 
         # Problems the user can fix get one line, not a traceback: an unknown model, a mode
-        # the model cannot run (ISD without a [MASK] token), a port in use, a missing SGLang.
-        if isinstance(e, (ModelNotFoundError, ModeUnavailable, ServeError)):
+        # the model cannot run (ISD without a [MASK] token), a port in use, a missing SGLang,
+        # a bad training flag or data path.
+        if isinstance(e, (ModelNotFoundError, ModeUnavailable, ServeError, UsageError)):
             print(f"selfspec: {e}", file=sys.stderr)
             return 2
         raise

@@ -157,3 +157,14 @@ def test_adapter_without_a_findable_base_is_one_clear_line(tmp_path):
 def test_arguments_after_dashdash_only_for_serve():
     out = _cli("models", "--", "--foo")
     assert out.returncode == 2 and "only accepted by `selfspec serve`" in out.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--stride", "1"], "every stride must be >= 2"),
+    (["--stride", "4", "--curriculum", "2,5"], "curriculum must end at --stride 4"),
+    (["--stride", "4", "--data", "/no/such/corpus.jsonl"], "no such file or directory"),
+])
+def test_train_idlm_bad_input_is_one_clear_line(tmp_path, flags, message):
+    out = _cli("train", "idlm", "--base", "tiny-base", *flags, "--out", str(tmp_path / "out"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("selfspec: ") and message in out.stderr

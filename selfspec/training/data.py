@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.errors import UsageError
 from selfspec.training.corpus import is_heldout, load_stdlib_split
 from selfspec.training.tokenizer import EOS_TOKEN
 
@@ -69,7 +70,7 @@ class Dataset:
         if not self.chat:
             hi = self.num_tokens - seq_len - 1
             if hi <= 0:
-                raise ValueError(f"data has {self.num_tokens} tokens: too few for windows of {seq_len + 1}")
+                raise UsageError(f"data has {self.num_tokens} tokens: too few for windows of {seq_len + 1}")
             starts = torch.randint(0, hi, (batch_size,), generator=generator).tolist()
             ids = torch.stack([self.stream[s : s + seq_len + 1] for s in starts])
             loss = torch.stack([self.stream_loss[s : s + seq_len + 1] for s in starts])
@@ -143,7 +144,7 @@ def _chat_doc(tokenizer, messages: list[dict]) -> Document:
         ids += reply
         loss += [LOSS_BOTH] * len(reply)
     if not ids:
-        raise ValueError("chat record without an assistant turn")
+        raise UsageError("chat record without an assistant turn")
     return Document(ids, loss)
 
 
@@ -163,7 +164,7 @@ def _record_to_doc(tokenizer, rec: dict, eos_id: int) -> tuple[Document, bool]:
         return _chat_doc(tokenizer, msgs), True
     if "text" in rec:
         return _text_doc(tokenizer, rec["text"], eos_id), False
-    raise ValueError(f"JSONL record has none of text / ids / prompt+response / messages: keys {sorted(rec)}")
+    raise UsageError(f"JSONL record has none of text / ids / prompt+response / messages: keys {sorted(rec)}")
 
 
 def _expand(paths: list[str]) -> list[Path]:
@@ -175,7 +176,7 @@ def _expand(paths: list[str]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(f"data path not found: {p}")
+            raise UsageError(f"--data {p}: no such file or directory (give text / JSONL files, directories of them, or 'stdlib')")
     return files
 
 
@@ -224,7 +225,7 @@ def load_data(tokenizer, sources: list[str] | None, weights: list[float] | None 
     splits = [_load_one(tokenizer, src) for src in sources]
     weights = list(weights) if weights else [1.0] * len(splits)
     if len(weights) != len(splits):
-        raise ValueError(f"{len(weights)} data weights for {len(splits)} sources")
+        raise UsageError(f"{len(weights)} data weights for {len(splits)} sources")
     desc = {"mixture": [{**sp.description, "weight": w} for sp, w in zip(splits, weights)],
             "heldout": "first source"}
     return DataSplits(Mixture([sp.train for sp in splits], weights), splits[0].heldout, desc)
@@ -262,7 +263,7 @@ def _load_one(tokenizer, source: str) -> DataSplits:
             if text.strip():
                 keyed.append((path.name, _text_doc(tokenizer, text, eos_id), False))
     if not keyed:
-        raise ValueError(f"no usable data in {source}")
+        raise UsageError(f"no usable data in {source}")
     chat = any(c for _, _, c in keyed)
     held = [d for k, d, _ in keyed if is_heldout(k)]
     train = [d for k, d, _ in keyed if not is_heldout(k)]

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.errors import UsageError
 from selfspec.decoding.metadata import METADATA_FILE, load_metadata, write_metadata  # noqa: F401 (the one reader/writer)
 
 FORMAT_VERSION = 1
@@ -42,7 +43,7 @@ def weights_sha256(model_dir: str | Path) -> str:
     h = hashlib.sha256()
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        raise UsageError(f"no *.safetensors in {model_dir}")
     for f in files:
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -53,7 +54,7 @@ def weights_sha256(model_dir: str | Path) -> str:
 def build_metadata(*, mode: str, stride: int, mask_token: str, mask_token_id: int, lora: dict | None,
                    base_model: str | None, converted_from: str | None, recipe: dict, metrics: dict) -> dict:
     if mode not in ("isd", "risd"):
-        raise ValueError(f"mode must be isd or risd, got {mode}")
+        raise UsageError(f"mode must be isd or risd, got {mode}")
     meta = {
         "format_version": FORMAT_VERSION,
         "mode": mode,

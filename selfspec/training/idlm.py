@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from selfspec.errors import UsageError
 from selfspec.training import masks as M
 from selfspec.training.data import LOSS_CLEAN, LOSS_MASK_ONLY, batch_generator, load_data
 from selfspec.training.export import (
@@ -97,17 +98,25 @@ class IDLMConfig:
     progress_bar: bool = True
     stop_after_steps: int | None = None  # leave after this many steps in this process, checkpointed (preemption)
 
+    def check_data_paths(self) -> None:
+        """Fail before the model loads, not minutes later. (Not in __post_init__: a recipe names
+        data it generates on first use.)"""
+        for source in self.data or []:
+            if source != "stdlib" and not Path(source).expanduser().exists():
+                raise UsageError(f"--data {source}: no such file or directory (give text / JSONL files, "
+                                 "directories of them, or 'stdlib')")
+
     def __post_init__(self):
         if self.curriculum is None:
             self.curriculum = [self.stride]
         if self.curriculum[-1] != self.stride:
-            raise ValueError(f"the curriculum must end at --stride {self.stride}: {self.curriculum}")
+            raise UsageError(f"the curriculum must end at --stride {self.stride}: {self.curriculum}")
         if any(n < 2 for n in self.curriculum):
-            raise ValueError("every stride must be >= 2")
+            raise UsageError(f"--stride / --curriculum {self.curriculum}: every stride must be >= 2 (N-1 MASK tokens per block)")
         if self.stage_fractions is None:
             self.stage_fractions = [1.0 / len(self.curriculum)] * len(self.curriculum)
         if len(self.stage_fractions) != len(self.curriculum):
-            raise ValueError("--stage-fractions needs one value per curriculum stage")
+            raise UsageError("--stage-fractions needs one value per curriculum stage")
         total = sum(self.stage_fractions)
         self.stage_fractions = [f / total for f in self.stage_fractions]
         if self.lora_rank and self.lora_alpha is None:
@@ -191,7 +200,7 @@ def load_base(base: str, attn_implementation: str):
 
     path = resolve_model(base)
     if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
-        raise ValueError(f"--base must be a full model, not an adapter: {path}")
+        raise UsageError(f"--base must be a full model, not an adapter: {path}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
     return path, model, tokenizer
@@ -343,6 +352,7 @@ def train_idlm(cfg: IDLMConfig) -> dict:
     from accelerate.utils import set_seed
 
     started = time.time()
+    cfg.check_data_paths()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=_mixed_precision(cfg))
@@ -371,8 +381,9 @@ def train_idlm(cfg: IDLMConfig) -> dict:
     resume_from = None
     if cfg.resume:
         resume_from = latest_checkpoint(_checkpoint_root(cfg)) if cfg.resume == "auto" else Path(cfg.resume)
-        if resume_from is None and cfg.resume != "auto":
-            raise FileNotFoundError(cfg.resume)
+        if cfg.resume != "auto" and not (resume_from / "train_state.json").is_file():
+            raise UsageError(f"--resume {cfg.resume}: not a training checkpoint (no train_state.json); pass a "
+                             f"step-* directory under {_checkpoint_root(cfg)} or --resume alone for the latest")
     if resume_from is not None:
         accelerator.load_state(str(resume_from / "accelerate"))
         saved = json.loads((resume_from / "train_state.json").read_text())
@@ -540,7 +551,7 @@ def export_from_checkpoint(checkpoint: Path, out: Path) -> Path:
     if not (checkpoint / "train_state.json").exists():
         latest = latest_checkpoint(checkpoint) or latest_checkpoint(checkpoint / "checkpoints")
         if latest is None:
-            raise FileNotFoundError(f"no training checkpoint in {checkpoint}")
+            raise UsageError(f"no training checkpoint in {checkpoint}")
         checkpoint = latest
     saved = json.loads((checkpoint / "train_state.json").read_text())
     cfg = IDLMConfig(**saved.pop("config"))
