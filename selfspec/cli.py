@@ -8,6 +8,7 @@ from pathlib import Path
 
 from selfspec.errors import UsageError
 from selfspec.models import ModelNotFoundError
+from selfspec.serving import split_passthrough
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -150,11 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    argv, extra = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     if extra and not getattr(args, "takes_extra", False):

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from selfspec.serving import ServerProcess, ServerSpec, ServeError, free_port
+from selfspec.serving import ServerProcess, ServerSpec, ServeError, free_port, split_passthrough
 
 CHAT_PROMPT = "Write a Python function that reverses a string."
 # Ends mid-line: the BPE merges a newline with the indentation after it, so a prompt ending in
@@ -50,11 +50,7 @@ def run_demo(model: str, extra_args: list[str], max_tokens: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    argv, extra = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(prog="python -m selfspec.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-base")
     parser.add_argument("--max-tokens", type=int, default=96)

@@ -53,6 +53,14 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`selfspec serve ... -- SGLANG ARGS`: (our arguments, the ones passed through to SGLang)."""
+    if "--" not in argv:
+        return list(argv), []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def _flag_value(args: list[str], flag: str) -> str | None:
     for i, a in enumerate(args):
         if a.startswith(flag + "="):

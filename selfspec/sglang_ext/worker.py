@@ -218,16 +218,7 @@ class SelfSpecWorker(BaseSpecWorker):
         accept_tokens[:, 0] = next_token_ids
         if on_publish is not None:
             on_publish(new_seq_lens)
-        return GenerationBatchResult(
-            logits_output=result.logits_output,
-            next_token_ids=next_token_ids,
-            can_run_cuda_graph=result.can_run_cuda_graph,
-            accept_lens=accept_lens,
-            new_seq_lens=new_seq_lens,
-            next_draft_input=NgramVerifyInput(draft_token_num=self.width, new_seq_lens=new_seq_lens,
-                                              accept_tokens=accept_tokens.flatten(), accept_lens=accept_lens),
-            speculative_num_draft_tokens=self.width,
-        )
+        return _batch_result(result, next_token_ids, accept_tokens.flatten(), accept_lens, new_seq_lens, self.width)
 
     def _state_for(self, req) -> RequestState:
         st = self.states.get(req.rid)
@@ -305,16 +296,7 @@ class SelfSpecWorker(BaseSpecWorker):
                         (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
         self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0)
         self._gc_states()
-        return GenerationBatchResult(
-            logits_output=result.logits_output,
-            next_token_ids=next_token_ids,
-            can_run_cuda_graph=result.can_run_cuda_graph,
-            accept_lens=accept_lens,
-            new_seq_lens=new_seq_lens,
-            next_draft_input=NgramVerifyInput(draft_token_num=W, new_seq_lens=new_seq_lens,
-                                              accept_tokens=next_token_ids, accept_lens=accept_lens),
-            speculative_num_draft_tokens=W,
-        )
+        return _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, W)
 
     # ------------------------------------------------------------------ helpers
     def _max_graph_tokens(self) -> int:
@@ -338,3 +320,17 @@ class SelfSpecWorker(BaseSpecWorker):
             return
         for buf in list(pool.k_buffer) + list(pool.v_buffer):
             buf[tgt] = buf[src]
+
+
+def _batch_result(result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, width: int):
+    """What the scheduler expects back from a verify step (NGRAM's shape: draft-free)."""
+    return GenerationBatchResult(
+        logits_output=result.logits_output,
+        next_token_ids=next_token_ids,
+        can_run_cuda_graph=result.can_run_cuda_graph,
+        accept_lens=accept_lens,
+        new_seq_lens=new_seq_lens,
+        next_draft_input=NgramVerifyInput(draft_token_num=width, new_seq_lens=new_seq_lens,
+                                          accept_tokens=accept_tokens, accept_lens=accept_lens),
+        speculative_num_draft_tokens=width,
+    )

@@ -89,11 +89,7 @@ def export_full(model, tokenizer, out_dir: str | Path, metadata: dict, provenanc
         model.save_pretrained(out, safe_serialization=True)
     finally:
         model.to(dtype)
-    tokenizer.save_pretrained(out)
-    write_metadata(out, metadata)
-    if provenance is not None:
-        write_json(out / "provenance.json", provenance)
-    _readable(out)
+    _write_side_files(out, tokenizer, metadata, provenance)
     return out
 
 
@@ -117,12 +113,17 @@ def export_adapter(peft_model, tokenizer, out_dir: str | Path, metadata: dict, b
     write_json(cfg_path, cfg)
     # PEFT writes a README model card; an embedded adapter does not need it.
     (out / "README.md").unlink(missing_ok=True)
+    _write_side_files(out, tokenizer, metadata, provenance)
+    return out
+
+
+def _write_side_files(out: Path, tokenizer, metadata: dict, provenance: dict | None) -> None:
+    """What every export carries beside its weights: tokenizer, selfspec.json, provenance."""
     tokenizer.save_pretrained(out)
     write_metadata(out, metadata)
     if provenance is not None:
         write_json(out / "provenance.json", provenance)
     _readable(out)
-    return out
 
 
 def _readable(out: Path) -> None:
