@@ -42,6 +42,9 @@ def generate_selfgen(model: str, out: Path, num: int = 1024, prompt_tokens: int 
     starts = torch.randint(0, len(stream) - prompt_tokens, (num,), generator=gen).tolist()
     out.parent.mkdir(parents=True, exist_ok=True)
     tokens = 0
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=num, desc="selfgen (greedy continuations)", unit="seq")
     with open(out, "w") as f, torch.no_grad():
         for i in range(0, num, batch_size):
             x = torch.stack([stream[s : s + prompt_tokens] for s in starts[i : i + batch_size]])
@@ -55,8 +58,9 @@ def generate_selfgen(model: str, out: Path, num: int = 1024, prompt_tokens: int 
                         break
                 f.write(json.dumps({"prefix_ids": p, "ids": cont, "clean_loss": False}) + "\n")
                 tokens += len(cont)
-            print(f"selfgen: {min(num, i + batch_size)}/{num} continuations, {tokens:,} tokens, "
-                  f"{time.time() - started:.0f} s", flush=True)
+            bar.update(len(x))
+            bar.set_postfix(tokens=f"{tokens:,}")
+    bar.close()
     return {"model": model, "file": str(out), "num": num, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
             "seed": seed, "tokens": tokens, "seconds": round(time.time() - started, 1)}
 
