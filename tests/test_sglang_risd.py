@@ -1,5 +1,9 @@
-"""RISD served by stock SGLang: a randomly initialised LoRA adapter gated to the [MASK] positions
-changes the proposals but never the verify positions, so greedy output is the base model's."""
+"""RISD served by stock SGLang: the embedded tiny-idlm-lora, named as the model the way a user
+would (`selfspec serve --model tiny-idlm-lora`: the launcher serves its base with the adapter,
+RISD and the adapter's stride). The adapter is gated to the [MASK] positions, so it changes the
+proposals but never the verify positions: greedy output is tiny-base's, token for token, while
+the trained proposals are accepted. (Random adapters are covered by test_training_sglang.py and
+the HF-engine tests.)"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ from sglang_fixtures import (
     ar_reference,  # noqa: F401  (fixture)
     check_lossless,
     heldout_ids,  # noqa: F401  (fixture)
-    make_random_lora,
     native_generate,
     server_args,
     start_server,
@@ -19,15 +22,8 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory, tiny_base_path):
-    return make_random_lora(tiny_base_path, tmp_path_factory.mktemp("risd") / "adapter", rank=8, seed=0)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, ar_reference, adapter):
-    proc = start_server(tmp_path_factory, "risd", server_args(
-        "--disable-radix-cache", "--speculative-algorithm", "RISD", "--selfspec-stride", "3",
-        "--selfspec-lora", str(adapter)))
+def server(tmp_path_factory, ar_reference):
+    proc = start_server(tmp_path_factory, "risd", server_args("--disable-radix-cache"), model="tiny-idlm-lora")
     yield proc
     proc.stop()
 
@@ -40,6 +36,10 @@ def test_risd_adapter_is_attached(server):
 def test_risd_greedy_equals_base_ar_sequential(server, heldout_ids, ar_reference):
     res = check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=False)
     assert all(m["selfspec_mode"] == "RISD" for m in res["metas"])
+    # the trained proposals are accepted (the HF engine measures 1.51 on these 16 prompts x 32
+    # tokens at N = 4; an adapter that proposed nothing useful would sit near 1.0)
+    accept = [m["selfspec_accept_length"] for m in res["metas"]]
+    assert sum(accept) / len(accept) >= 1.35, accept
 
 
 def test_risd_greedy_equals_base_ar_burst_and_kv_released(server, heldout_ids, ar_reference):
