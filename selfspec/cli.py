@@ -48,8 +48,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     print(tok.decode(out.token_ids, skip_special_tokens=True))
     n = len(out.token_ids)
-    print(f"\n[{n} tokens, finish={out.finish_reason}, {n / max(elapsed, 1e-9):.1f} tok/s, mode={args.mode}]",
-          file=sys.stderr)
+    print(f"\n[{n} tokens, finish={out.finish_reason}, {n / max(elapsed, 1e-9):.1f} tok/s, mode={args.mode}, "
+          f"{out.metrics.tokens_per_forward:.2f} tokens per forward]", file=sys.stderr)
     return 0
 
 
