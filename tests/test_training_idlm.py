@@ -460,3 +460,65 @@ def test_on_policy_records_train_the_mask_half_only_and_mix_by_weight(micro_dir,
     assert mask_labels[6, :6].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 8, 9, 10, 11]
     assert bool((clean_labels[6:] == IGNORE_INDEX).all())
     assert data.heldout.num_tokens > 0 and not data.heldout.chat  # held-out = the first source
+
+
+def test_auto_balance_ratio_uses_the_targets_both_halves_learn():
+    torch.manual_seed(5)
+    logits = torch.randn(2, 8, 30)
+    labels = torch.randint(0, 30, (2, 4))
+    clean_labels = labels.clone()
+    clean_labels[1] = IGNORE_INDEX  # row 1: MASK half only (on-policy data)
+    out = idlm_loss(logits, labels, "auto", clean_labels=clean_labels)
+    ce = lambda lg, y: torch.nn.functional.cross_entropy(lg.reshape(-1, 30), y.reshape(-1))  # noqa: E731
+    assert out.mask_ce == pytest.approx(float(ce(logits[:, :4], labels)), rel=1e-5)
+    assert out.scale == pytest.approx(float(ce(logits[0, :4], labels[0]) / ce(logits[0, 4:], labels[0])), rel=1e-5)
+
+
+def test_selfgen_records_are_the_models_own_greedy_continuations(tmp_path, tiny_base_path):
+    from selfspec.engines.hf import HFEngine
+    from selfspec.training.selfgen import generate_selfgen
+
+    out = tmp_path / "selfgen.jsonl"
+    info = generate_selfgen("tiny-base", out, num=4, prompt_tokens=32, new_tokens=12, batch_size=2, seed=3)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 4 and info["tokens"] == sum(len(r["ids"]) for r in records)
+    assert all(r["clean_loss"] is False and len(r["prefix_ids"]) == 32 for r in records)
+    engine = HFEngine.from_pretrained(tiny_base_path, dtype=torch.float32)
+    greedy = engine.generate([r["prefix_ids"] for r in records], 12, mode="ar")
+    assert [r["ids"] for r in records] == [o.token_ids for o in greedy]
+
+
+def test_ar_anchor_kl_is_the_kl_from_the_teacher_and_trains_only_the_student():
+    from selfspec.training.losses import ar_anchor_kl
+
+    torch.manual_seed(2)
+    student = torch.randn(2, 5, 11, requires_grad=True)
+    teacher = torch.randn(2, 5, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[1, 3:] = IGNORE_INDEX
+    assert float(ar_anchor_kl(teacher, teacher, labels)) == pytest.approx(0.0, abs=1e-6)
+    kl = ar_anchor_kl(student, teacher, labels)
+    valid = labels != IGNORE_INDEX
+    p = torch.softmax(teacher[valid], -1)
+    want = (p * (p.log() - torch.log_softmax(student[valid], -1))).sum(-1).mean()
+    assert float(kl) == pytest.approx(float(want), rel=1e-5)
+    kl.backward()
+    assert student.grad is not None and teacher.grad is None
+
+
+def test_ar_anchor_keeps_the_clean_half_closer_to_the_base(micro_dir, data_file, tmp_path):
+    from selfspec.training.idlm import train_idlm
+    from selfspec.training.losses import ar_anchor_kl
+
+    base = _load(micro_dir)
+    ids = torch.tensor([list(json.loads(line)["text"].encode()[:40]) for line in data_file.read_text().splitlines()[:4]])
+    ids = ids.remainder(base.config.vocab_size)  # any token ids will do for a distance between models
+    labels = torch.zeros(ids.shape, dtype=torch.long)
+    kls = {}
+    for weight in (0.0, 5.0):
+        res = train_idlm(_config(micro_dir, data_file, tmp_path / f"anchor-{weight}", export=False,
+                                 ar_anchor_weight=weight))
+        model = res["model"].eval()
+        with torch.no_grad():
+            kls[weight] = float(ar_anchor_kl(model(input_ids=ids).logits, base(input_ids=ids).logits, labels))
+    assert kls[5.0] < 0.5 * kls[0.0], kls

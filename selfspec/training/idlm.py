@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -81,6 +82,7 @@ class IDLMConfig:
     ce_scale: float = 0.2
     auto_balance_from: int = 4  # stages with N >= this use the auto-balanced clean loss
     mask_distill_weight: float = 0.0  # optional extra term (losses.self_distill_ce); 0 = the seed's loss
+    ar_anchor_weight: float = 0.0  # optional extra term (losses.ar_anchor_kl), full fine-tune only; 0 = the seed's loss
     eval_every: int = 100
     eval_tokens: int = 16384
     eval_batch_size: int = 8
@@ -366,6 +368,9 @@ def train_idlm(cfg: IDLMConfig) -> dict:
     accelerator.print(f"data: {data.train.num_tokens:,} train tokens, {data.heldout.num_tokens:,} held-out tokens; "
                       f"mask token {mask_info['mask_token']} = {mask_id}; attention {attn_impl}")
 
+    teacher = None
+    if cfg.ar_anchor_weight > 0 and not cfg.is_lora:  # the model as converted, before any step
+        teacher = copy.deepcopy(model).eval().requires_grad_(False).to(device)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for _, p in params)
     n_total = sum(p.numel() for p in model.parameters())
@@ -426,8 +431,13 @@ def train_idlm(cfg: IDLMConfig) -> dict:
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     logits = packed_forward(model, ids[:, :-1], stride, mask_id, attn_impl, gated=cfg.is_lora)
+                    teacher_logits = None
+                    if teacher is not None:
+                        with torch.no_grad():
+                            teacher_logits = teacher(input_ids=ids[:, :-1], use_cache=False).logits
                 out = idlm_loss(logits, labels, balance, cfg.ce_scale, train_clean=not cfg.is_lora,
-                                distill_weight=cfg.mask_distill_weight, clean_labels=clean_labels)
+                                distill_weight=cfg.mask_distill_weight, clean_labels=clean_labels,
+                                teacher_logits=teacher_logits, anchor_weight=cfg.ar_anchor_weight)
                 accelerator.backward(out.total)
                 if accelerator.sync_gradients and cfg.grad_clip:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -436,6 +446,8 @@ def train_idlm(cfg: IDLMConfig) -> dict:
             stats["mask_ce"] += float(out.mask_ce) / cfg.grad_accum
             stats["clean_ce"] += float(out.clean_ce) / cfg.grad_accum
             stats["scale"] += out.scale / cfg.grad_accum
+            if out.anchor is not None:
+                stats["anchor_kl"] = stats.get("anchor_kl", 0.0) + float(out.anchor) / cfg.grad_accum
         state["step"] = step + 1
         loop_steps += 1
         now = time.time()
@@ -614,6 +626,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-distill-weight", type=float, default=d.mask_distill_weight,
                         help="optional extra loss: soft CE of the MASK distribution towards the detached clean-half "
                              "distribution at the same position (default 0: the seed's loss exactly)")
+    parser.add_argument("--ar-anchor-weight", type=float, default=d.ar_anchor_weight,
+                        help="optional extra loss (full fine-tune): KL from the frozen base to the clean half, "
+                             "holding the AR path to the base (default 0: the seed's loss exactly)")
     parser.add_argument("--eval-every", type=int, default=d.eval_every)
     parser.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
     parser.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every K steps (0: at the end)")
@@ -636,7 +651,7 @@ def config_from_args(args: argparse.Namespace) -> IDLMConfig:
         "base", "out", "stride", "curriculum", "stage_fractions", "lora_rank", "lora_alpha", "data", "data_weights",
         "seq_len",
         "batch_size", "grad_accum", "steps", "time_budget_minutes", "lr", "min_lr_ratio", "warmup_ratio",
-        "weight_decay", "grad_clip", "ce_scale", "auto_balance_from", "mask_distill_weight", "eval_every", "eval_tokens", "save_every",
+        "weight_decay", "grad_clip", "ce_scale", "auto_balance_from", "mask_distill_weight", "ar_anchor_weight", "eval_every", "eval_tokens", "save_every",
         "checkpoint_dir", "resume", "seed", "threads", "mixed_precision", "attn_implementation", "name", "base_ref")}
     if args.lora_targets:
         kw["lora_targets"] = args.lora_targets

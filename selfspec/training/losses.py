@@ -10,16 +10,25 @@ The clean-loss scale:
 - `auto` (from the N = 3 -> 4 expansion on): the clean term is rescaled to the magnitude of
   the MASK term, computed per micro-batch with gradients stopped through the ratio:
 
-      scale = sg(CE_mask) / (sg(CE_clean) + 1e-8)
+      scale = sg(CE_mask*) / (sg(CE_clean) + 1e-8)
       L     = CE_mask + scale * CE_clean
 
-  so the loss value is exactly 2 * CE_mask and the clean term contributes gradient in
-  proportion CE_mask / CE_clean: when the clean (AR) path is well fitted relative to the MASK
-  path, its weight grows, which holds the verify distribution in place while the harder MASK
-  predictions (longer strides) would otherwise dominate. This is the rule of the public
-  I-DLM code (`loss_auto_balance`), whose Eq. 2 the seed does not print.
+  where CE_mask* is the MASK half's CE over the targets the clean half also learns (for
+  corpus data: all of them, so CE_mask* = CE_mask and L = 2 * CE_mask in value; rows that
+  train the MASK half only, such as on-policy data, do not enter the ratio). The clean term
+  contributes gradient in proportion CE_mask* / CE_clean: when the clean (AR) path is well
+  fitted relative to the MASK path on the same tokens, its weight grows, which holds the
+  verify distribution in place while the harder MASK predictions (longer strides) would
+  otherwise dominate. This is the rule of the public I-DLM code (`loss_auto_balance`), whose
+  Eq. 2 the seed does not print.
 
-Optional, off by default (`distill_weight = 0` is the seed's loss exactly): `self_distill_ce`.
+Optional extra terms, off by default (weight 0 is the seed's loss exactly):
+- `self_distill_ce` (`mask_distill_weight`): the MASK distribution towards the detached
+  clean-half distribution at the same position.
+- `ar_anchor_kl` (`ar_anchor_weight`): KL(base || clean half) on the clean positions, the frozen
+  pre-conversion model as teacher. It holds the AR (verify) path to the base's distribution with
+  soft targets, which carry far more per token than the corpus' one-hot labels; a small model
+  whose MASK half learns on-policy data otherwise pays for it in AR perplexity.
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ class IDLMLoss:
     mask_tokens: int
     clean_tokens: int
     distill: torch.Tensor | None = None  # detached; only with distill_weight > 0
+    anchor: torch.Tensor | None = None  # detached; only with anchor_weight > 0
 
 
 def self_distill_ce(mask_logits: torch.Tensor, clean_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -77,6 +87,17 @@ def self_distill_ce(mask_logits: torch.Tensor, clean_logits: torch.Tensor, label
     return -(target * logq).sum(-1).mean()
 
 
+def ar_anchor_kl(clean_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions at the clean positions that carry
+    a label, averaged over them; the teacher's logits are treated as constants."""
+    valid = labels != IGNORE_INDEX
+    if not bool(valid.any()):
+        return clean_logits.sum() * 0.0
+    log_t = torch.log_softmax(teacher_logits[valid].detach().float(), dim=-1)
+    log_s = torch.log_softmax(clean_logits[valid].float(), dim=-1)
+    return (log_t.exp() * (log_t - log_s)).sum(-1).mean()
+
+
 def clean_loss_scale(mask_ce: torch.Tensor, clean_ce: torch.Tensor, balance: str, ce_scale: float) -> float:
     if balance == "fixed":
         return float(ce_scale)
@@ -87,12 +108,14 @@ def clean_loss_scale(mask_ce: torch.Tensor, clean_ce: torch.Tensor, balance: str
 
 def idlm_loss(logits: torch.Tensor, labels: torch.Tensor, balance: str, ce_scale: float = 0.2,
               train_clean: bool = True, distill_weight: float = 0.0,
-              clean_labels: torch.Tensor | None = None) -> IDLMLoss:
+              clean_labels: torch.Tensor | None = None, teacher_logits: torch.Tensor | None = None,
+              anchor_weight: float = 0.0) -> IDLMLoss:
     """logits [B, 2L, V] of a packed [x_t | x_0] forward, labels [B, L] (MASK half) and
     `clean_labels` [B, L] (clean half; default: the same labels).
 
     `train_clean=False` (the gated-LoRA variant, whose clean half runs on frozen base weights)
-    keeps the clean CE as a metric only."""
+    keeps the clean CE as a metric only. `teacher_logits` [B, L, V]: the frozen base's logits on
+    the clean sequence, for the optional AR anchor (`anchor_weight` > 0)."""
     seq_len = labels.shape[1]
     clean_labels = labels if clean_labels is None else clean_labels
     mask_ce, n_mask = _ce(logits[:, :seq_len], labels)
@@ -101,11 +124,24 @@ def idlm_loss(logits: torch.Tensor, labels: torch.Tensor, balance: str, ce_scale
     else:
         with torch.no_grad():
             clean_ce, n_clean = _ce(logits[:, seq_len:].detach(), clean_labels)
-    scale = clean_loss_scale(mask_ce, clean_ce, balance, ce_scale)
+    shared = (labels != IGNORE_INDEX) & (clean_labels != IGNORE_INDEX)
+    if balance == "auto" and not bool(shared.eq(labels != IGNORE_INDEX).all()):
+        with torch.no_grad():  # CE_mask*: the MASK CE over the targets both halves learn
+            ratio_ce, _ = _ce(logits[:, :seq_len].detach(), labels.masked_fill(~shared, IGNORE_INDEX))
+        scale = clean_loss_scale(ratio_ce, clean_ce, balance, ce_scale) if n_clean else 0.0
+    else:
+        scale = clean_loss_scale(mask_ce, clean_ce, balance, ce_scale)
     total = mask_ce + scale * clean_ce if train_clean else mask_ce
     distill = None
     if distill_weight > 0:
         distill = self_distill_ce(logits[:, :seq_len], logits[:, seq_len:], labels)
         total = total + distill_weight * distill
         distill = distill.detach()
-    return IDLMLoss(total, mask_ce.detach(), clean_ce.detach(), scale, n_mask, n_clean, distill)
+    anchor = None
+    if anchor_weight > 0 and train_clean:
+        if teacher_logits is None:
+            raise ValueError("anchor_weight > 0 needs the teacher's logits")
+        anchor = ar_anchor_kl(logits[:, seq_len:], teacher_logits, clean_labels)
+        total = total + anchor_weight * anchor
+        anchor = anchor.detach()
+    return IDLMLoss(total, mask_ce.detach(), clean_ce.detach(), scale, n_mask, n_clean, distill, anchor)
