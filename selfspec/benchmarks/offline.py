@@ -71,7 +71,9 @@ def is_repetition_loop(tokens: list[int], max_period: int = 16, min_span: int = 
     return False
 
 
-def load_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> tuple[list[str | None], list[list[int]]]:
+def load_prompts(
+    path: str | Path, tokenizer=None, limit: int | None = None
+) -> tuple[list[str | None], list[list[int]]]:
     texts, ids = [], []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()

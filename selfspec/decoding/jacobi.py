@@ -51,18 +51,20 @@ class JacobiConfig:
     """Defaults are for CPU, chosen by measurement; the reference GPU setting is
     block_size=64, max_blocks=2, spawn_ratio=0.85, verify_size=4, init="random".
 
-    On CPU a forward's cost grows with its query tokens (tiny-base, 1 thread: a 5-token step
-    costs ~1.5 AR steps), so extra tokens must pay for themselves. Measured on tiny-base
-    (12 held-out stdlib prompts, 96 new tokens, batch 1, wall time relative to AR measured
-    alongside, median of 3): n=64/K=2/random TPF 1.21 at 5.7x AR's wall time; n=8/K=1/random
-    TPF 1.08, 1.24x; with init="history" n=8 TPF 1.50, 1.04x; n=16 TPF 1.71, 0.90x (best);
-    n=24 TPF 1.69, 1.37x; n=16/K=2 TPF 1.59, 1.25x (a pseudo-active block doubles the query
-    tokens and gains nothing on a model not trained with Jacobi Forcing); without pool
-    candidates (verify_size=0) TPF falls to 1.08. Raise max_blocks and block_size for a
-    Jacobi-Forcing-trained model on a GPU.
+    On CPU the forward is compute-bound after a few query tokens (tiny-base, 1 thread: about
+    1.2 ms per forward plus 0.7 ms per query token), so every extra token must pay for itself.
+    Measured on tiny-base (12 held-out stdlib prompts, 96 new tokens, batch 1, greedy; process
+    CPU time relative to AR's in the same run, median of 2, because the shared machine's wall
+    clock was too noisy): n=64/K=2/random TPF 1.21 at 3.24x AR's cost; n=8/K=1/random TPF 1.08,
+    1.35x; init="history": n=8/K=1 TPF 1.50, 1.00x (best); n=12 TPF 1.65, 1.13x; n=16 TPF
+    1.71, 1.09x; n=8/K=2 TPF 1.45, 1.02x; n=16/K=2 TPF 1.59, 1.16x (a pseudo-active block adds
+    n query tokens and gains nothing on a model not trained with Jacobi Forcing); n=4 with
+    2 candidates of 2 tokens TPF 1.26, 0.98x; without pool candidates (verify_size=0) n=8
+    falls to TPF 1.08. For comparison the ngram baseline: TPF 1.64 at 0.70x. Use larger blocks
+    (the training block size) and max_blocks=2 for a Jacobi-Forcing-trained model on a GPU.
     """
 
-    block_size: int = 16  # n
+    block_size: int = 8  # n
     max_blocks: int = 1  # K: one real-active + up to K-1 pseudo-active blocks
     spawn_ratio: float = 0.85  # r: spawn when the newest block has accepted ceil(r*n)
     pool_size: int = 4  # n-grams kept per first token
