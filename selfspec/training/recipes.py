@@ -45,8 +45,8 @@ RECIPES: dict[str, IDLMConfig] = {
         stride=4, curriculum=[2, 3, 4], stage_fractions=[0.15, 0.2, 0.65],
         data=["stdlib", str(SELFGEN_FILE)], data_weights=[0.5, 0.5],
         seq_len=256, batch_size=8, steps=3000, time_budget_minutes=32.0,
-        lr=7e-4, min_lr_ratio=0.05, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
-        ce_scale=0.2, auto_balance_from=4, eval_every=100, eval_tokens=16384, save_every=200,
+        lr=5e-4, min_lr_ratio=0.05, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
+        ce_scale=0.2, auto_balance_from=4, ar_anchor_weight=2.0, eval_every=100, eval_tokens=16384, save_every=200,
         checkpoint_dir=str(REPO / "runs" / "tiny-idlm"), seed=0, threads=1, mixed_precision="bf16",
     ),
     "tiny-idlm-lora": IDLMConfig(
