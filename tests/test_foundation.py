@@ -107,8 +107,13 @@ def test_serve_without_sglang_names_the_fix(monkeypatch, tiny_base_path):
         ServerSpec("tiny-base", port=1).command()
 
 
-def test_serve_cpu_defaults_and_passthrough(tiny_base_path):
+def test_serve_cpu_defaults_and_passthrough(tiny_base_path, monkeypatch):
+    import os
+
     from selfspec.serving import free_port
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
 
     argv, env = ServerSpec("tiny-base", port=free_port(), cpu=True,
                            extra_args=["--max-total-tokens", "4096", "--speculative-algorithm", "NGRAM"]).command()
@@ -118,6 +123,14 @@ def test_serve_cpu_defaults_and_passthrough(tiny_base_path):
     assert argv[argv.index("--attention-backend") + 1] == "torch_native"
     assert argv.count("--max-total-tokens") == 1 and "4096" in argv  # the user's value wins
     assert argv[-2:] == ["--speculative-algorithm", "NGRAM"]
+    assert env["OMP_NUM_THREADS"] == "1"  # small machine: one OpenMP thread
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    _, env = ServerSpec("tiny-base", port=free_port(), cpu=True).command()
+    assert "OMP_NUM_THREADS" not in env  # a large machine keeps OpenMP's default
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    _, env = ServerSpec("tiny-base", port=free_port(), cpu=True).command()
+    assert env["OMP_NUM_THREADS"] == "3"  # the user's setting wins
 
 
 def _adapter_over_tiny_base(tmp_path):
