@@ -19,9 +19,10 @@ Exits non-zero on a real mismatch or a server that fails to start.
 Self-contained: needs torch with CUDA and sglang in the interpreter running it, nothing else
 installed. When the selfspec plugin is not installed as a package, the script exposes this
 checkout's `sglang.srt.plugins` entry point to every SGLang process through a generated
-dist-info directory on PYTHONPATH. RISD runs with a randomly initialised LoRA adapter saved over
-the model (needs peft; skipped otherwise): gated to [MASK] positions, it must not change greedy
-output. Logs and the JSON summary go to --out-dir (default $OUT, else a temp dir).
+dist-info directory on PYTHONPATH. RISD runs with the embedded tiny-idlm-lora adapter when the
+model is tiny-base (a trained adapter: realistic TPF), else with a randomly initialised LoRA
+adapter saved over the model (needs peft; skipped otherwise): gated to [MASK] positions, it must
+not change greedy output. Logs and the JSON summary go to --out-dir (default $OUT, else a temp dir).
 """
 
 from __future__ import annotations
@@ -146,6 +147,19 @@ def burst(url: str, prompts: list[list[int]], max_new: int, concurrency: int) ->
     return outs, time.perf_counter() - t0
 
 
+def embedded_adapter_for(model: Path) -> Path | None:
+    """tiny-idlm-lora when `model` is the base it was trained on (same weights hash)."""
+    from selfspec.models import ASSETS_DIR
+    from selfspec.sglang_ext.config import checkpoint_sha256
+
+    adapter = ASSETS_DIR / "tiny-idlm-lora"
+    meta_file = adapter / "selfspec.json"
+    if not meta_file.exists():
+        return None
+    recorded = json.loads(meta_file.read_text()).get("lora", {}).get("base_sha256")
+    return adapter if recorded == checkpoint_sha256(model) else None
+
+
 def make_random_lora(model: Path, out: Path) -> Path | None:
     try:
         import torch
@@ -257,7 +271,7 @@ def main() -> int:
     for mode in modes:
         extra = list(MODE_ARGS[mode])
         if mode == "risd":
-            adapter = make_random_lora(model, out_dir / "risd-adapter")
+            adapter = embedded_adapter_for(model) or make_random_lora(model, out_dir / "risd-adapter")
             if adapter is None:
                 summary["modes"][mode] = {"status": "skipped", "reason": "peft missing"}
                 continue
