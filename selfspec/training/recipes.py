@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,27 +33,57 @@ from selfspec.training.idlm import IDLMConfig, train_idlm
 REPO = Path(__file__).resolve().parents[2]
 HELDOUT_PROMPTS = REPO / "bench" / "prompts" / "heldout.jsonl"
 
-# On-policy data of both recipes: tiny-base's greedy continuations of 1024 prompts cut from the
-# train split (`selfspec.training.selfgen`), mixed 50/50 with the corpus; they train the MASK half
-# only (the clean / AR half learns from the corpus alone).
-SELFGEN = {"model": "tiny-base", "num": 1024, "prompt_tokens": 128, "new_tokens": 128, "seed": 0}
-SELFGEN_FILE = REPO / "runs" / "selfgen" / "tiny-base.jsonl"
+
+
+@dataclass(frozen=True)
+class SelfgenSpec:
+    """On-policy data of a recipe: `model`'s greedy continuations of `num` prompts cut from the
+    train split (`selfspec.training.selfgen`), mixed with the corpus; they train the MASK half
+    only (the clean / AR half learns from the corpus alone). The file name carries the count, so
+    a recipe never picks up another recipe's (smaller) file; with the same seed the first records
+    of a larger file are those of a smaller one."""
+
+    model: str = "tiny-base"
+    num: int = 1024
+    prompt_tokens: int = 128
+    new_tokens: int = 128
+    seed: int = 0
+
+    @property
+    def file(self) -> Path:
+        return REPO / "runs" / "selfgen" / f"{self.model}-n{self.num}.jsonl"
+
+    def command(self) -> str:
+        return (f"python -m selfspec.training.selfgen --model {self.model} --out {_relative(str(self.file))} "
+                f"--num {self.num} --prompt-tokens {self.prompt_tokens} --new-tokens {self.new_tokens} "
+                f"--seed {self.seed}")
+
+    def ensure(self) -> None:
+        if not self.file.exists():
+            from selfspec.training.selfgen import generate_selfgen
+
+            generate_selfgen(self.model, self.file, self.num, self.prompt_tokens, self.new_tokens, seed=self.seed)
+
+
+# tiny-idlm's run (about 2,300 steps, 4 on-policy rows each) sees its 8,192 continuations about once;
+# the LoRA recipe keeps its 1,024 (each seen about 5 times), which its committed adapter was trained on.
+SELFGEN: dict[str, SelfgenSpec] = {"tiny-idlm": SelfgenSpec(num=8192), "tiny-idlm-lora": SelfgenSpec(num=1024)}
 
 RECIPES: dict[str, IDLMConfig] = {
     "tiny-idlm": IDLMConfig(
         base="tiny-base", out=str(ASSETS_DIR / "tiny-idlm"), name="tiny-idlm", base_ref="tiny-base",
         stride=4, curriculum=[2, 3, 4], stage_fractions=[0.15, 0.2, 0.65],
-        data=["stdlib", str(SELFGEN_FILE)], data_weights=[0.5, 0.5],
-        seq_len=256, batch_size=8, steps=3000, time_budget_minutes=32.0,
+        data=["stdlib", str(SELFGEN["tiny-idlm"].file)], data_weights=[0.5, 0.5],
+        seq_len=256, batch_size=8, steps=4000, time_budget_minutes=56.0,
         lr=5e-4, min_lr_ratio=0.05, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
-        ce_scale=0.2, auto_balance_from=4, ar_anchor_weight=2.0, eval_every=100, eval_tokens=16384, save_every=200,
+        ce_scale=0.2, auto_balance_from=4, ar_anchor_weight=1.0, eval_every=200, eval_tokens=16384, save_every=200,
         checkpoint_dir=str(REPO / "runs" / "tiny-idlm"), seed=0, threads=1, mixed_precision="bf16",
     ),
     "tiny-idlm-lora": IDLMConfig(
         base="tiny-base", out=str(ASSETS_DIR / "tiny-idlm-lora"), name="tiny-idlm-lora", base_ref="tiny-base",
         stride=4, curriculum=[2, 3, 4], stage_fractions=[0.15, 0.2, 0.65],
         lora_rank=64, lora_alpha=128.0,
-        data=["stdlib", str(SELFGEN_FILE)], data_weights=[0.5, 0.5],
+        data=["stdlib", str(SELFGEN["tiny-idlm-lora"].file)], data_weights=[0.5, 0.5],
         seq_len=256, batch_size=8, steps=3000, time_budget_minutes=28.0,
         lr=3e-3, min_lr_ratio=0.05, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
         eval_every=100, eval_tokens=16384, save_every=200,
@@ -130,7 +160,7 @@ def _relative(value):
     return value
 
 
-def finalize_provenance(model_dir: Path, command: str) -> None:
+def finalize_provenance(model_dir: Path, command: str, selfgen: SelfgenSpec | None = None) -> None:
     """Record the recipe's own command, and repository-relative paths, in selfspec.json and
     provenance.json (the training code records what it was given)."""
     from selfspec.decoding.metadata import METADATA_FILE, write_metadata
@@ -148,11 +178,8 @@ def finalize_provenance(model_dir: Path, command: str) -> None:
         prov["config"] = {k: _relative(v) for k, v in prov.get("config", {}).items()}
         if "base" in prov:
             prov["base"]["path"] = _relative(prov["base"]["path"])
-        if str(SELFGEN_FILE) in (prov.get("config", {}).get("data") or []) or \
-                _relative(str(SELFGEN_FILE)) in (prov.get("config", {}).get("data") or []):
-            prov["selfgen"] = {**SELFGEN, "file": _relative(str(SELFGEN_FILE)),
-                               "command": "python -m selfspec.training.selfgen --model tiny-base "
-                                          f"--out {_relative(str(SELFGEN_FILE))} --num {SELFGEN['num']}"}
+        if selfgen is not None and _relative(str(selfgen.file)) in (prov.get("config", {}).get("data") or []):
+            prov["selfgen"] = {**asdict(selfgen), "file": _relative(str(selfgen.file)), "command": selfgen.command()}
         prov_file.write_text(json.dumps(prov, indent=2, default=str) + "\n")
 
 
@@ -204,14 +231,12 @@ def run_recipe(name: str, args: argparse.Namespace | None = None) -> dict:
             if value is not None:
                 changes[key] = value
     cfg = replace(cfg, **changes)
-    if str(SELFGEN_FILE) in (cfg.data or []) and not SELFGEN_FILE.exists():
-        from selfspec.training.selfgen import generate_selfgen
-
-        generate_selfgen(SELFGEN["model"], SELFGEN_FILE, SELFGEN["num"], SELFGEN["prompt_tokens"],
-                         SELFGEN["new_tokens"], seed=SELFGEN["seed"])
+    selfgen = SELFGEN.get(name)
+    if selfgen is not None and str(selfgen.file) in (cfg.data or []):
+        selfgen.ensure()
     result = train_idlm(cfg)
     command = " ".join(["selfspec", "train", name] + (sys.argv[2:] if sys.argv[1:2] == [name] else sys.argv[3:]))
-    finalize_provenance(Path(cfg.out), command)
+    finalize_provenance(Path(cfg.out), command, selfgen)
     if args is None or not getattr(args, "no_measure", False):
         measured = measure(cfg.out)
         record_measurement(Path(cfg.out), measured)
