@@ -121,3 +121,23 @@ def test_risd_from_an_adapter_directory(tmp_path):
 
     with pytest.raises(ModeUnavailable, match="adapter"):
         HFEngine(model, mask_token_id=mask_id).generate(prompts, 4, mode="risd")
+
+
+@pytest.mark.parametrize("gated", ["mixed", "none", "all"])
+def test_add_gated_lora_on_a_precomputed_base(gated):
+    """The op SGLang's hooked linear layers use (their base projection is already computed):
+    gated-off rows are the base bit for bit, gated rows base + the LoRA delta."""
+    from selfspec.kernels.gated_lora import add_gated_lora, gated_lora_linear_reference
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(11, 48, generator=gen)
+    w, b = torch.randn(40, 48, generator=gen) / 7, torch.randn(40, generator=gen)
+    a, bb = torch.randn(8, 48, generator=gen) / 7, torch.randn(40, 8, generator=gen) / 3
+    mask = {"mixed": torch.rand(11, generator=gen) < 0.5, "none": torch.zeros(11, dtype=torch.bool),
+            "all": torch.ones(11, dtype=torch.bool)}[gated]
+    base = torch.nn.functional.linear(x, w, b)
+    out = add_gated_lora(base, x, a, bb, 1.5, mask)
+    assert torch.equal(out[~mask], base[~mask])
+    torch.testing.assert_close(out, gated_lora_linear_reference(x, w, b, a, bb, 1.5, mask))
+    if mask.any():
+        assert not torch.allclose(out[mask], base[mask])  # the adapter did act on the gated rows

@@ -12,11 +12,11 @@ Installation (no patched files): the plugin registers AROUND hooks on SGLang's
 worker attaches the adapter tensors to the target layers (`attach_to_sglang_model`) and sets the
 per-forward gate (`gate(handle, mask)`, mask [bs, W] bool, True at MASK positions). A layer
 without an adapter, or a forward without a gate (prefill, other modes), runs the original
-method untouched. With a gate, the output is `where(gate, gated_lora_linear(x, W, b, A, B, s,
-gate), original(x))`: gated-off rows are the original method's output bit for bit on every
-device, and the gated rows come from `selfspec.kernels.gated_lora.gated_lora_linear` (Triton
-on CUDA, the torch reference on CPU). Every op is shape-static, so the path can be captured in
-SGLang's target-verify CUDA graph (the gate then lives in a persistent buffer).
+method untouched. With a gate, the output is the original method's output plus the LoRA delta
+at the gated rows (`selfspec.kernels.gated_lora.add_gated_lora`): gated-off rows are the
+original output bit for bit on every device, and the base projection runs once. On CUDA every
+op is shape-static, so the path can be captured in SGLang's target-verify CUDA graph (the gate
+then lives in a persistent buffer); on CPU the delta is computed on the gated rows only.
 
 Supported adapter contents: LoRA on q/k/v/o/gate/up/down projections, and PEFT embedding
 updates of `embed_tokens` (`trainable_token_indices` rows, or `modules_to_save`), used at gated
@@ -134,17 +134,15 @@ def current_mask() -> torch.Tensor | None:
 
 
 # ------------------------------------------------------------------------------ the hooks
-def _gated_output(layer, x: torch.Tensor, bias, base: torch.Tensor) -> torch.Tensor:
-    from selfspec.kernels.gated_lora import gated_lora_linear
+def _gated_output(layer, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    from selfspec.kernels.gated_lora import add_gated_lora
 
     lora: LayerLoRA = layer._selfspec_lora
     mask = _STATE.mask
     flat_x = x.reshape(-1, x.shape[-1])
     if mask.numel() != flat_x.shape[0]:
         raise RuntimeError(f"RISD gate has {mask.numel()} entries for a forward of {flat_x.shape[0]} tokens")
-    mask = mask.to(flat_x.device)
-    gated = gated_lora_linear(flat_x, layer.weight, bias, lora.lora_a, lora.lora_b, 1.0, mask)
-    out = torch.where(mask.unsqueeze(-1), gated.to(base.dtype), base.reshape(-1, base.shape[-1]))
+    out = add_gated_lora(base.reshape(-1, base.shape[-1]), flat_x, lora.lora_a, lora.lora_b, 1.0, mask)
     return out.reshape(base.shape)
 
 
@@ -152,7 +150,7 @@ def _apply_around(original, self, layer, x, bias=None, *args, **kwargs):
     base = original(self, layer, x, bias, *args, **kwargs)
     if _STATE.mask is None or getattr(layer, "_selfspec_lora", None) is None:
         return base
-    return _gated_output(layer, x, bias, base)
+    return _gated_output(layer, x, base)
 
 
 def _apply_into_around(original, self, layer, x, output, bias=None, *args, **kwargs):
@@ -160,7 +158,7 @@ def _apply_into_around(original, self, layer, x, output, bias=None, *args, **kwa
     if _STATE.mask is None or getattr(layer, "_selfspec_lora", None) is None:
         return result
     target = output if result is None else result
-    target.copy_(_gated_output(layer, x, bias, target))
+    target.copy_(_gated_output(layer, x, target))
     return result
 
 
