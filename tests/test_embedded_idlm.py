@@ -73,7 +73,9 @@ def test_tiny_idlm_greedy_isd_equals_ar_and_accelerates(prompt_ids):
     isd = engine.generate(prompt_ids, MAX_NEW, mode="isd")  # stride 4 from selfspec.json
     assert [o.token_ids for o in isd] == [o.token_ids for o in ar]
     tpf = aggregate(o.metrics for o in isd)["tokens_per_forward"]
-    assert tpf >= 1.4, f"ISD TPF {tpf:.2f}"  # 1.55 measured; the untrained [MASK] of tiny-base gives ~1.1
+    # 1.73 measured here (12 prompts x 64 tokens; 2.03 over the recipe's 64 x 128); the untrained
+    # [MASK] of tiny-base gives ~1.1
+    assert tpf >= 1.6, f"ISD TPF {tpf:.2f}"
 
 
 def test_tiny_idlm_lora_greedy_risd_equals_tiny_base_and_accelerates(prompt_ids, base_greedy):
@@ -81,4 +83,4 @@ def test_tiny_idlm_lora_greedy_risd_equals_tiny_base_and_accelerates(prompt_ids,
     risd = engine.generate(prompt_ids, MAX_NEW, mode="risd")
     assert [o.token_ids for o in risd] == base_greedy
     tpf = aggregate(o.metrics for o in risd)["tokens_per_forward"]
-    assert tpf >= 1.4, f"RISD TPF {tpf:.2f}"
+    assert tpf >= 1.6, f"RISD TPF {tpf:.2f}"  # 1.69 measured here (1.84 over the recipe's 64 x 128)
