@@ -9,6 +9,20 @@ from __future__ import annotations
 import torch
 
 
+def lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """scaling * (x A^T) B^T, on every row of x."""
+    return torch.nn.functional.linear(torch.nn.functional.linear(x, lora_a), lora_b) * scaling
+
+
+def select_gated_lora(base: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                      scaling: float, mask: torch.Tensor) -> torch.Tensor:
+    """base + the delta where mask is set, base elsewhere: shape-static and free of host syncs
+    (usable inside a CUDA graph). torch.where (not base + gate * delta) keeps gated-off rows
+    bit-identical to the base."""
+    gate = mask.to(device=x.device, dtype=x.dtype).unsqueeze(-1).bool()
+    return torch.where(gate, base + lora_delta(x, lora_a, lora_b, scaling).to(base.dtype), base)
+
+
 def gated_lora_linear_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -20,12 +34,9 @@ def gated_lora_linear_reference(
 ) -> torch.Tensor:
     """x [..., in], weight [out, in], lora_a [r, in], lora_b [out, r], mask [...] (0/1)."""
     base = torch.nn.functional.linear(x, weight, bias)
-    gate = mask.to(x.dtype).unsqueeze(-1)
-    if not bool(gate.any()):
+    if not bool(mask.to(x.dtype).any()):
         return base
-    delta = torch.nn.functional.linear(torch.nn.functional.linear(x, lora_a), lora_b) * scaling
-    # torch.where (not base + gate * delta) keeps gated-off rows bit-identical to the base.
-    return torch.where(gate.bool(), base + delta, base)
+    return select_gated_lora(base, x, lora_a, lora_b, scaling, mask)
 
 
 def add_gated_lora(base: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
@@ -35,18 +46,15 @@ def add_gated_lora(base: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lo
     (recomputing it inside `gated_lora_linear` doubled the layer's cost). Gated-off rows are
     `base` bit for bit. x [T, in], base [T, out], mask [T].
 
-    CUDA: shape-static (delta over all rows, then a select), so it can live in a CUDA graph.
-    Elsewhere the forward runs eagerly, and the delta is computed on the gated rows only (RISD
-    gates the N-1 MASK rows of a 2N-1-token step)."""
-    gate = mask.to(device=x.device, dtype=torch.bool)
+    CUDA: shape-static (`select_gated_lora`), so it can live in a CUDA graph. Elsewhere the
+    forward runs eagerly, and the delta is computed on the gated rows only (RISD gates the N-1
+    MASK rows of a 2N-1-token step)."""
     if x.is_cuda:
-        delta = torch.nn.functional.linear(torch.nn.functional.linear(x, lora_a), lora_b) * scaling
-        return torch.where(gate.unsqueeze(-1), base + delta.to(base.dtype), base)
-    rows = gate.nonzero().squeeze(1)
+        return select_gated_lora(base, x, lora_a, lora_b, scaling, mask)
+    rows = mask.to(device=x.device, dtype=torch.bool).nonzero().squeeze(1)
     if rows.numel() == 0:
         return base
-    xs = x.index_select(0, rows)
-    delta = torch.nn.functional.linear(torch.nn.functional.linear(xs, lora_a), lora_b) * scaling
+    delta = lora_delta(x.index_select(0, rows), lora_a, lora_b, scaling)
     return base.index_copy(0, rows, base.index_select(0, rows) + delta.to(base.dtype))
 
 

@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from selfspec.kernels.gated_lora import select_gated_lora
+
 INTERPRETED = bool(knobs.runtime.interpret)
 POISON_SCRATCH = False  # tests: fill the intermediate with NaN before every launch
 PATH_ENV = "SELFSPEC_LORA_PATH"
@@ -100,9 +102,7 @@ def _gate(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def gated_lora_linear_cublas(x, weight, bias, lora_a, lora_b, scaling, mask) -> torch.Tensor:
     """Sync-free cuBLAS path; bit-identical to the reference on every token."""
-    base = F.linear(x, weight, bias)
-    delta = F.linear(F.linear(x, lora_a), lora_b) * scaling
-    return torch.where(_gate(x, mask), base + delta, base)
+    return select_gated_lora(F.linear(x, weight, bias), x, lora_a, lora_b, scaling, mask)
 
 
 def _tile(n: int, lo: int, hi: int) -> int:
