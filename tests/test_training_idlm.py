@@ -522,3 +522,26 @@ def test_ar_anchor_keeps_the_clean_half_closer_to_the_base(micro_dir, data_file,
         with torch.no_grad():
             kls[weight] = float(ar_anchor_kl(model(input_ids=ids).logits, base(input_ids=ids).logits, labels))
     assert kls[5.0] < 0.5 * kls[0.0], kls
+
+
+def test_anchor_teacher_runs_only_on_rows_with_clean_labels(micro_dir):
+    from selfspec.training.idlm import anchor_teacher_logits
+
+    teacher = _load(micro_dir)
+    seen = []
+    teacher.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(kwargs["input_ids"].shape[0]),
+                                      with_kwargs=True)
+    ids = torch.randint(0, teacher.config.vocab_size, (3, 13), generator=torch.Generator().manual_seed(1))
+    clean_labels = shifted_labels(ids)
+    clean_labels[1] = IGNORE_INDEX  # an on-policy row: MASK half only, nothing for the anchor
+    with torch.no_grad():
+        full = teacher(input_ids=ids[:, :-1]).logits
+    seen.clear()
+    got = anchor_teacher_logits(teacher, ids, clean_labels)
+    assert seen == [2] and got.shape == full.shape  # the teacher saw rows 0 and 2 only
+    torch.testing.assert_close(got[[0, 2]], full[[0, 2]], rtol=1e-5, atol=1e-5)
+    assert not got[1].any()
+    seen.clear()
+    clean_labels = shifted_labels(ids)
+    torch.testing.assert_close(anchor_teacher_logits(teacher, ids, clean_labels), full)
+    assert seen == [3]

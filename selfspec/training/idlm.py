@@ -349,6 +349,20 @@ def _replan(cfg: IDLMConfig, state: dict, loop_seconds: float, loop_steps: int, 
     state["planned_steps"] = int(max(state["step"] + 1, min(cfg.steps, planned)))
 
 
+@torch.no_grad()
+def anchor_teacher_logits(teacher: torch.nn.Module, ids: torch.Tensor, clean_labels: torch.Tensor) -> torch.Tensor:
+    """The frozen base's logits [B, L, V] (fp32) for the AR anchor. The anchor reads only the
+    positions with a clean label, so the teacher runs only on the rows that have one: on-policy
+    rows (MASK half only, half of each recipe batch) get zeros that nothing reads."""
+    rows = (clean_labels != IGNORE_INDEX).any(1)
+    if bool(rows.all()):
+        return teacher(input_ids=ids[:, :-1], use_cache=False).logits.float()
+    out = torch.zeros(*clean_labels.shape, teacher.get_output_embeddings().weight.shape[0], device=ids.device)
+    if bool(rows.any()):
+        out[rows] = teacher(input_ids=ids[rows, :-1], use_cache=False).logits.float()
+    return out
+
+
 def train_idlm(cfg: IDLMConfig) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -431,10 +445,7 @@ def train_idlm(cfg: IDLMConfig) -> dict:
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     logits = packed_forward(model, ids[:, :-1], stride, mask_id, attn_impl, gated=cfg.is_lora)
-                    teacher_logits = None
-                    if teacher is not None:
-                        with torch.no_grad():
-                            teacher_logits = teacher(input_ids=ids[:, :-1], use_cache=False).logits
+                    teacher_logits = None if teacher is None else anchor_teacher_logits(teacher, ids, clean_labels)
                 out = idlm_loss(logits, labels, balance, cfg.ce_scale, train_clean=not cfg.is_lora,
                                 distill_weight=cfg.mask_distill_weight, clean_labels=clean_labels,
                                 teacher_logits=teacher_logits, anchor_weight=cfg.ar_anchor_weight)

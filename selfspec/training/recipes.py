@@ -65,7 +65,7 @@ class SelfgenSpec:
             generate_selfgen(self.model, self.file, self.num, self.prompt_tokens, self.new_tokens, seed=self.seed)
 
 
-# tiny-idlm's run (about 2,300 steps, 4 on-policy rows each) sees its 8,192 continuations about once;
+# tiny-idlm's run (about 1,900 steps, 4 on-policy rows each) sees its 8,192 continuations about once;
 # the LoRA recipe keeps its 1,024 (each seen about 5 times), which its committed adapter was trained on.
 SELFGEN: dict[str, SelfgenSpec] = {"tiny-idlm": SelfgenSpec(num=8192), "tiny-idlm-lora": SelfgenSpec(num=1024)}
 
