@@ -44,13 +44,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MODE_ARGS = {
-    "ar": [],
-    "ngram": ["--speculative-algorithm", "NGRAM"],
-    "isd": ["--speculative-algorithm", "ISD"],
-    "risd": ["--speculative-algorithm", "RISD"],
-    "jacobi": ["--speculative-algorithm", "JACOBI", "--selfspec-options", "block_size=16,max_blocks=2,verify_size=4"],
-    "sjd": ["--speculative-algorithm", "SJD", "--selfspec-options", "window=6"],
+#: GPU settings beside each mode's algorithm flag (wider windows pay on a GPU)
+GPU_OPTIONS = {
+    "jacobi": ["--selfspec-options", "block_size=16,max_blocks=2,verify_size=4"],
+    "sjd": ["--selfspec-options", "window=6"],
 }
 LOSSLESS = {"isd", "risd", "jacobi", "sjd"}
 
@@ -150,7 +147,7 @@ def burst(url: str, prompts: list[list[int]], max_new: int, concurrency: int) ->
 def embedded_adapter_for(model: Path) -> Path | None:
     """tiny-idlm-lora when `model` is the base it was trained on (same weights hash)."""
     from selfspec.models import ASSETS_DIR
-    from selfspec.sglang_ext.config import checkpoint_sha256
+    from selfspec.decoding.metadata import weights_sha256 as checkpoint_sha256
 
     adapter = ASSETS_DIR / "tiny-idlm-lora"
     meta_file = adapter / "selfspec.json"
@@ -174,7 +171,7 @@ def make_random_lora(model: Path, out: Path) -> Path | None:
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     get_peft_model(base, cfg).save_pretrained(str(out))
     from selfspec.decoding.metadata import write_metadata
-    from selfspec.sglang_ext.config import checkpoint_sha256
+    from selfspec.decoding.metadata import weights_sha256 as checkpoint_sha256
 
     write_metadata(out, {"mode": "RISD", "base_model": str(model),
                          "lora": {"rank": 8, "base_sha256": checkpoint_sha256(model)}})
@@ -239,6 +236,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
+    from selfspec.benchmarks.serve import mode_server_args
     from selfspec.models import resolve_model
 
     model = resolve_model(args.model)
@@ -269,7 +267,7 @@ def main() -> int:
     failed = False
     tie_cache: dict = {}
     for mode in modes:
-        extra = list(MODE_ARGS[mode])
+        extra = mode_server_args(mode) + GPU_OPTIONS.get(mode, [])
         if mode == "risd":
             adapter = embedded_adapter_for(model) or make_random_lora(model, out_dir / "risd-adapter")
             if adapter is None:

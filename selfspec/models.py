@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from selfspec.errors import UserError
+
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 EMBEDDED_MODELS: dict[str, str] = {
@@ -15,7 +17,7 @@ EMBEDDED_MODELS: dict[str, str] = {
 }
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(UserError):
     pass
 
 

@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from selfspec.errors import UserError
 from selfspec.models import resolve_with_adapter
 
 # On CPU the KV pool would otherwise be sized from free RAM (15 GB, nearly a minute to allocate).
@@ -21,7 +22,7 @@ CPU_MAX_TOTAL_TOKENS = 65536
 SMALL_CPU_CORES = 4
 
 
-class ServeError(RuntimeError):
+class ServeError(UserError):
     """A problem the user can fix, reported as one line instead of a traceback."""
 
 

@@ -206,7 +206,7 @@ def make_random_lora(base: Path, out: Path, rank: int = 8, seed: int = 0, base_s
     peft_model = get_peft_model(model, cfg)
     peft_model.save_pretrained(str(out))
     from selfspec.decoding.metadata import write_metadata
-    from selfspec.sglang_ext.config import checkpoint_sha256
+    from selfspec.decoding.metadata import weights_sha256 as checkpoint_sha256
 
     write_metadata(out, {"mode": "RISD", "base_model": str(base),
                          "lora": {"rank": rank, "targets": list(cfg.target_modules),

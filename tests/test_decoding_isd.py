@@ -1,4 +1,4 @@
-"""ISD step layout: what goes in, what is finalised, what becomes pending (pure functions), the
+"""ISD step layout: what goes in, what is emitted, what becomes pending (pure functions), the
 batched `ISDMode.finish` on hand-made logits, and the engine under oracle proposals that force
 all-pass and rejection at every position."""
 
@@ -41,21 +41,21 @@ def test_propose_verify_layout(fixed):
 
 def test_consume_cold_start():
     r = consume([], 0, 42, [5, 6, 7])
-    assert r.finalised == [42] and r.pending == 42 and r.kv_keep == 1 and r.proposals == [5, 6, 7]
+    assert r.emit == [42] and r.pending == 42 and r.keep == [0] and r.proposals == [5, 6, 7]
 
 
 def test_consume_all_pass():
     r = consume([1, 2, 3], 3, 42, [5, 6, 7])
-    assert r.finalised == [1, 2, 3, 42]  # N new tokens
-    assert r.pending == 42 and r.kv_keep == 4  # pending + 3 accepted proposals cached
+    assert r.emit == [1, 2, 3, 42]  # N new tokens
+    assert r.pending == 42 and r.keep == [0, 1, 2, 3]  # pending + 3 accepted proposals cached
     assert r.proposals == [5, 6, 7]  # the MASK outputs become the bonus token's proposals
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_consume_rejection_at_every_position(k):
     r = consume([1, 2, 3], k - 1, 42, [5, 6, 7])
-    assert r.finalised == [1, 2, 3][: k - 1] + [42]  # k new tokens
-    assert r.pending == 42 and r.kv_keep == k
+    assert r.emit == [1, 2, 3][: k - 1] + [42]  # k new tokens
+    assert r.pending == 42 and r.keep == list(range(k))
     assert r.proposals == []  # MASK outputs discarded: a propose-only step follows
 
 

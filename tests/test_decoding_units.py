@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from selfspec.decoding.jacobi import Block, JacobiConfig, JacobiState, build_layout, pseudo_verify, update_blocks
-from selfspec.decoding.metadata import load_metadata, parse_metadata, resolve_mask_token_id, write_metadata
+from selfspec.decoding.metadata import MetadataError, SelfspecMetadata, load_metadata, resolve_mask_token_id, write_metadata
 from selfspec.decoding.metrics import SequenceMetrics, aggregate
-from selfspec.decoding.modes import parse_mode_config, parse_option_string
+from selfspec.decoding import registry
+from selfspec.decoding.registry import parse_mode_config, parse_option_string
 from selfspec.decoding.ngram import SuffixIndex, propose_ngram
 from selfspec.decoding.ngram_pool import NgramPool
 from selfspec.decoding.progress import SequenceProgress
@@ -188,11 +189,14 @@ def test_metadata_roundtrip(tmp_path):
                               "lora": {"rank": 8, "targets": ["q_proj"], "base_sha256": "ab"}, "recipe": {"x": 1},
                               "custom": True})
     meta = load_metadata(tmp_path)
-    assert meta.mode == "RISD" and meta.stride == 4 and meta.mask_token_id == 5
+    assert meta.mode == "risd" and meta.stride == 4 and meta.mask_token_id == 5
     assert meta.lora.rank == 8 and meta.lora.targets == ["q_proj"] and meta.recipe == {"x": 1}
     assert meta.adapter_path == str((tmp_path / "adapter").resolve())
     assert meta.extra == {"custom": True}
-    assert parse_metadata(meta.to_dict()).to_dict() == meta.to_dict()
+    assert SelfspecMetadata.from_dict(meta.to_dict()).to_dict() == meta.to_dict()
+    # older files wrote upper-case modes; every reader sees the registry's lower-case name
+    write_metadata(tmp_path, {"mode": "RISD"})
+    assert load_metadata(tmp_path).mode == "risd" and registry.get(load_metadata(tmp_path).mode).needs_adapter
 
     class Tok:
         mask_token, mask_token_id = "[MASK]", 3
@@ -212,6 +216,56 @@ def test_mode_config_parsing():
         parse_mode_config("sjd", {"windw": 3})
     assert parse_option_string("stride=4, tau=0.5,fixed_width=false,adapter=/x") == {
         "stride": 4, "tau": 0.5, "fixed_width": False, "adapter": "/x"}
+
+
+def test_metadata_describes_every_checkpoint_kind(tmp_path):
+    meta = SelfspecMetadata(mode="jacobi", jacobi=registry_jacobi(), recipe={"cmd": "x"})
+    meta.write(tmp_path)
+    back = load_metadata(tmp_path)
+    assert back.jacobi.block_size == 16 and back.jacobi.num_blocks == 2 and back.jacobi.spawn_ratio == 0.85
+    assert back.to_dict() == meta.to_dict() and back.to_dict()["format_version"] == 1
+
+
+def registry_jacobi():
+    from selfspec.decoding.metadata import JacobiMetadata
+
+    return JacobiMetadata(block_size=16, num_blocks=2, spawn_ratio=0.85)
+
+
+@pytest.mark.parametrize("text, problem", [("{not json", "not valid JSON"), ('{"stride": "four"}', "malformed"),
+                                           ("[1, 2]", "JSON object")])
+def test_malformed_metadata_names_the_file(tmp_path, text, problem):
+    (tmp_path / "selfspec.json").write_text(text)
+    with pytest.raises(MetadataError, match=problem) as info:
+        load_metadata(tmp_path)
+    assert str(tmp_path / "selfspec.json") in str(info.value)
+
+
+def test_registry_is_the_one_list_of_modes():
+    assert registry.MODE_NAMES == ("ar", "ngram", "isd", "risd", "jacobi", "sjd")
+    assert set(registry.SGLANG_ALGORITHMS) == {"ISD", "RISD", "JACOBI", "SJD"}
+    assert registry.for_sglang_algorithm("risd").needs_adapter and registry.get("ISD").needs_mask_token
+    assert registry.get("jacobi").greedy_only and not registry.get("sjd").greedy_only
+    assert registry.get("ngram").builtin_sglang_algorithm == "NGRAM" and registry.for_sglang_algorithm("NGRAM") is None
+    with pytest.raises(ValueError, match="choose one of ar, ngram"):
+        registry.get("eagle")
+    # every mode builds from its defaults alone, given the resources it says it needs
+    for spec in registry.MODES.values():
+        mode = registry.build(spec.name, parse_mode_config(spec.name, None),
+                              registry.ModeResources(mask_token_id=1, vocab_size=64))
+        assert isinstance(mode, spec.mode_class) and mode.max_width >= 1
+
+
+@pytest.mark.parametrize("mode, options, problem", [
+    ("jacobi", "ngram_size=1", "ngram_size must be >= 2"),
+    ("sjd", "window=4.5", "window=4.5: expected an integer"),
+    ("isd", "fixed_width=3", "expected true or false"),
+    ("isd", "tau=fast", "expected a number"),
+    ("jacobi", "num_blocks=2", "unknown jacobi option"),
+])
+def test_bad_mode_options_fail_when_parsed(mode, options, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_mode_config(mode, options)
 
 
 def test_seed_streams():

@@ -14,7 +14,7 @@ import torch
 from selfspec.decoding.metrics import aggregate
 from selfspec.engines.hf import HFEngine
 from selfspec.models import ASSETS_DIR, resolve_with_adapter
-from selfspec.training.export import weights_sha256
+from selfspec.decoding.metadata import weights_sha256
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,7 +47,7 @@ def test_tiny_idlm_provenance_and_size(tiny_base_path):
     prov = json.loads((path / "provenance.json").read_text())
     # a full conversion has tiny-base's parameters and dtype: its size, 10.5 MB (no [MASK] row added)
     assert (path / "model.safetensors").stat().st_size <= (tiny_base_path / "model.safetensors").stat().st_size
-    assert meta["mode"].upper() == "ISD" and meta["stride"] == 4 and meta["mask_token"] == "[MASK]"
+    assert meta["mode"] == "isd" and meta["stride"] == 4 and meta["mask_token"] == "[MASK]"
     assert prov["command"] == "selfspec train tiny-idlm"
     assert prov["base"]["sha256"] == weights_sha256(tiny_base_path)
     assert prov["config"]["curriculum"] == [2, 3, 4] and prov["steps"] > 0
@@ -61,7 +61,7 @@ def test_tiny_idlm_lora_is_an_adapter_over_tiny_base(tiny_base_path):
     prov = json.loads((path / "provenance.json").read_text())
     assert not (path / "config.json").exists() and (path / "adapter_config.json").exists()
     assert _files_size(path) <= MAX_BYTES
-    assert meta["mode"].upper() == "RISD" and meta["base_model"] == "tiny-base" and meta["stride"] == 4
+    assert meta["mode"] == "risd" and meta["base_model"] == "tiny-base" and meta["stride"] == 4
     assert meta["lora"]["base_sha256"] == weights_sha256(tiny_base_path)
     assert prov["command"] == "selfspec train tiny-idlm-lora"
     assert resolve_with_adapter("tiny-idlm-lora") == (tiny_base_path, path)

@@ -76,9 +76,11 @@ def test_auto_on_cuda_is_accelerated(monkeypatch):
     assert dispatch.resolve("gated_lora_linear", None, sample) is glt.gated_lora_linear_auto
 
 
-def test_decoding_core_reaches_the_kernels(monkeypatch):
-    """verify.greedy_verify / speculative_verify / greedy_verify_candidates go through the dispatch:
-    forced to Triton they run the kernels (same results), forced to the reference they don't."""
+def test_engine_verify_ops_reach_the_kernels(monkeypatch):
+    """The engines' verify ops (chosen once, `engines.kernel_choice.verify_ops`) go through the
+    dispatch: forced to Triton they run the kernels (same results), forced to the reference they don't."""
+    from selfspec.engines.kernel_choice import verify_ops
+
     device = "cuda" if CUDA else "cpu"
     gen = torch.Generator().manual_seed(5)
     bsz, depth, vocab = 4, 3, 97
@@ -101,9 +103,10 @@ def test_decoding_core_reaches_the_kernels(monkeypatch):
     results = {}
     for mode in ("reference", "triton"):
         monkeypatch.setenv("SELFSPEC_KERNELS", mode)
-        g = verify.greedy_verify(logits, drafts, nd)
-        s = verify.speculative_verify(logits, drafts, nd, seeds, 0.9, 10, 0.9, 0.1)
-        c = verify.greedy_verify_candidates(logits.view(2, 2, depth + 1, vocab), drafts.view(2, 2, depth), nd.view(2, 2))
+        ops = verify_ops(device)
+        g = ops.greedy(logits, drafts, nd)
+        s = ops.speculative(logits, drafts, nd, seeds, 0.9, 10, 0.9, 0.1)
+        c = ops.greedy_candidates(logits.view(2, 2, depth + 1, vocab), drafts.view(2, 2, depth), nd.view(2, 2))
         results[mode] = [t.tolist() for t in (g.accept_len, g.next_tokens, s.accept_len, s.next_tokens,
                                               c.accept_len, c.next_tokens, c.best_candidate)]
         assert len(calls) == (0 if mode == "reference" else 3)

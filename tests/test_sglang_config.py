@@ -119,6 +119,40 @@ def test_stride_out_of_range(tiny_base_path):
     assert "out of range" in _fails(tiny_base_path, "--speculative-algorithm", "ISD", "--selfspec-stride", "64")
 
 
+@pytest.mark.parametrize("algorithm, options, problem", [
+    ("JACOBI", "ngram_size=1", "ngram_size must be >= 2"),
+    ("SJD", "window=4.5", "window=4.5: expected an integer"),
+    ("JACOBI", "num_blocks=2", "unknown JACOBI option 'num_blocks'"),
+])
+def test_bad_mode_options_stop_the_server_at_start_up(tiny_base_path, algorithm, options, problem):
+    """Caught while the launcher resolves the arguments, before any scheduler process starts
+    (these used to pass start-up and crash inside the scheduler at the first request)."""
+    assert problem in _fails(tiny_base_path, "--speculative-algorithm", algorithm, "--selfspec-options", options)
+
+
+def test_options_help_names_real_options():
+    import argparse
+
+    from selfspec.decoding import registry
+    from selfspec.sglang_ext.cli_args import add_selfspec_args
+
+    parser = argparse.ArgumentParser()
+    add_selfspec_args(parser)
+    text = next(a.help for a in parser._actions if a.dest == "selfspec_options")
+    import re
+
+    examples = [kv.split("=")[0] for kv in re.search(r"e\.g\. '([^']*)'", text).group(1).split(",")]
+    assert examples and all(k in registry.get("jacobi").defaults for k in examples)
+
+
+def test_malformed_selfspec_json_is_named(tmp_path, tiny_base_path):
+    d = tmp_path / "broken"
+    shutil.copytree(tiny_base_path, d)
+    (d / "selfspec.json").write_text('{"mode": "isd", "stride": ')
+    msg = _fails(d, "--speculative-algorithm", "ISD")
+    assert str(d / "selfspec.json") in msg and "not valid JSON" in msg
+
+
 def test_isd_without_mask_token(no_mask_model):
     msg = _fails(no_mask_model, "--speculative-algorithm", "ISD")
     assert "no mask token" in msg and "--selfspec-mask-token-id" in msg

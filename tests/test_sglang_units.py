@@ -130,7 +130,7 @@ def test_gated_lora_on_fused_qkv_matches_peft_and_keeps_gated_off_rows_exact(tmp
     x = torch.randn(6, q.shape[1])
     gate = torch.tensor([False, True, False, True, True, False])
     base = _base_apply(None, layer0.self_attn.qkv_proj, x)
-    with loramod.gate(handle, gate):
+    with handle.gate.active(gate):
         got = loramod._apply_around(_base_apply, None, layer0.self_attn.qkv_proj, x)
     with torch.no_grad():
         want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)  # PEFT: LoRA on every row
@@ -141,7 +141,7 @@ def test_gated_lora_on_fused_qkv_matches_peft_and_keeps_gated_off_rows_exact(tmp
     assert torch.equal(loramod._apply_around(_base_apply, None, layer0.self_attn.qkv_proj, x), base)
 
     xd = torch.randn(6, mlp.down_proj.base_layer.weight.shape[1])
-    with loramod.gate(handle, gate):
+    with handle.gate.active(gate):
         got = loramod._apply_around(_base_apply, None, layer0.mlp.down_proj, xd)
     with torch.no_grad():
         want = mlp.down_proj(xd)

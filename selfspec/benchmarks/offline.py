@@ -121,14 +121,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _mode_configs(entries: list[str]) -> dict[str, dict[str, Any]]:
-    from selfspec.decoding.modes import normalize_mode, parse_option_string
+    from selfspec.decoding import registry
 
     out: dict[str, dict[str, Any]] = {}
     for entry in entries:
         mode, sep, opts = entry.partition(":")
         if not sep:
             raise ValueError(f"--mode-config {entry!r}: expected MODE:key=value,...")
-        out.setdefault(normalize_mode(mode), {}).update(parse_option_string(opts))
+        out.setdefault(registry.get(mode).name, {}).update(registry.parse_option_string(opts))
     return out
 
 
@@ -145,14 +145,14 @@ def run_benchmark(
     log=print,
 ) -> list[dict[str, Any]]:
     """Run AR and the given modes on one engine; returns the per-mode result rows (schema above)."""
+    from selfspec.decoding import registry
     from selfspec.decoding.metrics import aggregate
-    from selfspec.decoding.modes import normalize_mode
     from selfspec.decoding.sampling import SamplingParams
     from selfspec.decoding.step import ModeUnavailable
 
     sampling = sampling or SamplingParams()
     mode_configs = mode_configs or {}
-    order = ["ar"] + [m for m in (normalize_mode(x) for x in modes) if m != "ar"]
+    order = ["ar"] + [m for m in (registry.get(x).name for x in modes) if m != "ar"]
     engine.generate([prompt_ids[0]], 4, sampling, seed=seed, stop_token_ids=None)  # warm-up
     rows: list[dict[str, Any]] = []
     ar_tokens: list[list[int]] | None = None
@@ -160,7 +160,7 @@ def run_benchmark(
     for mode in order:
         row: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "config": None}
         config = dict(mode_configs.get(mode, {}))
-        if mode == "risd" and adapter and "adapter" not in config:
+        if registry.get(mode).needs_adapter and adapter and "adapter" not in config:
             config["adapter"] = adapter
         try:
             mode_obj = engine.build_mode(mode, config or None)

@@ -51,14 +51,15 @@ from typing import Any
 
 SCHEMA = "selfspec.bench.serve/v1"
 DEFAULT_MODES = "ar,ngram,isd,risd,jacobi,sjd"
-MODE_ARGS: dict[str, list[str]] = {
-    "ar": [],
-    "ngram": ["--speculative-algorithm", "NGRAM"],
-    "isd": ["--speculative-algorithm", "ISD"],
-    "risd": ["--speculative-algorithm", "RISD"],
-    "jacobi": ["--speculative-algorithm", "JACOBI"],
-    "sjd": ["--speculative-algorithm", "SJD"],
-}
+
+
+def mode_server_args(mode: str) -> list[str]:
+    """The SGLang flags that serve `mode`: the plugin's algorithm, SGLang's builtin (NGRAM), or none (AR)."""
+    from selfspec.decoding import registry
+
+    spec = registry.get(mode)
+    algorithm = spec.sglang_algorithm or spec.builtin_sglang_algorithm
+    return ["--speculative-algorithm", algorithm] if algorithm else []
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -255,12 +256,15 @@ def level_prompts(texts: list[str], level_index: int, count: int) -> list[str]:
 
 
 def _mode_extra(mode: str, args, model_dir: Path) -> tuple[list[str] | None, str | None]:
-    extra = list(MODE_ARGS[mode])
+    from selfspec.decoding import registry
+
+    spec = registry.get(mode)
+    extra = mode_server_args(mode)
     for spec in args.mode_args:
         name, _, rest = spec.partition("=")
         if name.strip().lower() == mode:
             extra += shlex.split(rest)
-    if mode == "risd" and "--selfspec-lora" not in extra:
+    if spec.needs_adapter and "--selfspec-lora" not in extra:
         lora = args.lora
         if lora is None:
             from selfspec.decoding.metadata import load_metadata
@@ -270,8 +274,8 @@ def _mode_extra(mode: str, args, model_dir: Path) -> tuple[list[str] | None, str
         if lora is None:
             return None, "no RISD adapter: pass --lora DIR or name one in the checkpoint's selfspec.json"
         extra += ["--selfspec-lora", str(lora)]
-    if mode == "jacobi" and args.temperature > 0:
-        return None, "JACOBI is greedy only (temperature > 0 requested)"
+    if spec.greedy_only and args.temperature > 0:
+        return None, f"{spec.name.upper()} is greedy only (temperature > 0 requested)"
     return extra + shlex.split(args.server_args), None
 
 
@@ -279,10 +283,12 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.models import resolve_with_adapter
     from selfspec.serving import ServerProcess, ServerSpec, cuda_available, free_port
 
-    modes = [m.strip().lower() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODE_ARGS]
-    if unknown:
-        raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODE_ARGS)}")
+    from selfspec.decoding import registry
+
+    try:
+        modes = [registry.get(m).name for m in args.modes.split(",") if m.strip()]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if "ar" in modes:
         modes.remove("ar")
     modes = ["ar"] + modes

@@ -26,10 +26,8 @@ there only, so anchors are the base model's exact AR distribution.
 Relaxed acceptance (tau > 0) is not lossless. With an argmax proposal x at a verified position
 whose anchor gives p(x), the emitted token's law moves exactly min(tau·p(x), 1 − p(x)) of
 probability mass onto x: that is its total-variation distance from AR sampling at that
-position (positions after a rejection, and the propose-only step's token, stay exact).
-Measured (tests/test_decoding_sampling.py, 9-token random model, N=2, T=1, the first 3 tokens,
-only the 3rd of which is a verified proposal): TV 0.145 at tau=0.5 and 0.235 at tau=1.0, and
-20,000 samples fit the derived relaxed law (chi-square p 0.93 / 0.75).
+position (positions after a rejection, and the propose-only step's token, stay exact);
+tests/test_decoding_sampling.py checks samples against that law.
 """
 
 from __future__ import annotations
@@ -76,17 +74,17 @@ def build_layout(pending: int, proposals: list[int], stride: int, mask_token_id:
 
 @dataclass
 class ISDStepResult:
-    finalised: list[int]  # tokens emitted by this step
-    pending: int  # the next pending token (finalised[-1])
-    kv_keep: int  # leading step tokens whose KV is cached: the old pending + accepted proposals
+    emit: list[int]  # tokens emitted by this step
+    pending: int  # the next pending token (emit[-1])
+    keep: list[int]  # step indices whose KV is cached: the old pending + accepted proposals
     proposals: list[int]  # the next step's proposals; [] -> a propose-only step follows
 
 
 def consume(proposals: list[int], accept_len: int, next_token: int, mask_argmax: list[int]) -> ISDStepResult:
     """Apply one step's verify result (accept_len of the proposals, the corrected / bonus token)."""
     all_pass = accept_len == len(proposals)
-    finalised = list(proposals[:accept_len]) + [int(next_token)]
-    return ISDStepResult(finalised, int(next_token), accept_len + 1, list(mask_argmax) if all_pass else [])
+    emit = list(proposals[:accept_len]) + [int(next_token)]
+    return ISDStepResult(emit, int(next_token), list(range(accept_len + 1)), list(mask_argmax) if all_pass else [])
 
 
 class ISDMode(Mode):
@@ -128,5 +126,5 @@ class ISDMode(Mode):
         for s, a, t, props in zip(seqs, result.accept_len.tolist(), result.next_tokens.tolist(), mask_argmax.tolist()):
             step = consume(s.state.proposals, a, t, props)
             s.state.proposals = step.proposals
-            outcomes.append(StepOutcome(step.finalised, list(range(step.kv_keep)), a))
+            outcomes.append(StepOutcome(step.emit, step.keep, a))
         return outcomes

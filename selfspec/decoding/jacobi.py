@@ -10,7 +10,7 @@ all in one forward, as a tree: the main branch and each candidate see the cached
 pending token and their own earlier tokens (`StepLayout.branch`). Positions are relative to
 the pending token, so a candidate's i-th token shares its position with the main branch's.
 
-Verification (`selfspec.decoding.verify.greedy_verify_candidates`): the RA draft and each
+Verification (`selfspec.decoding.verify.greedy_verify_candidates_reference`): the RA draft and each
 candidate (capped at the RA draft's length) are checked greedily against their own anchors;
 the branch with the longest accepted prefix wins (the main branch on ties); its accepted
 tokens plus the greedy token after them are committed, so the output is exactly greedy AR.
@@ -43,26 +43,12 @@ import torch
 from selfspec.decoding import rng
 from selfspec.decoding.ngram_pool import NgramPool
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
-from selfspec.decoding.verify import greedy_verify_candidates
 
 
 @dataclass
 class JacobiConfig:
-    """Defaults are for CPU, chosen by measurement; the reference GPU setting is
-    block_size=64, max_blocks=2, spawn_ratio=0.85, verify_size=4, init="random".
-
-    On CPU the forward is compute-bound after a few query tokens (tiny-base, 1 thread: about
-    1.2 ms per forward plus 0.7 ms per query token), so every extra token must pay for itself.
-    Measured on tiny-base (12 held-out stdlib prompts, 96 new tokens, batch 1, greedy; process
-    CPU time relative to AR's in the same run, median of 2, because the shared machine's wall
-    clock was too noisy): n=64/K=2/random TPF 1.21 at 3.24x AR's cost; n=8/K=1/random TPF 1.08,
-    1.35x; init="history": n=8/K=1 TPF 1.50, 1.00x (best); n=12 TPF 1.65, 1.13x; n=16 TPF
-    1.71, 1.09x; n=8/K=2 TPF 1.45, 1.02x; n=16/K=2 TPF 1.59, 1.16x (a pseudo-active block adds
-    n query tokens and gains nothing on a model not trained with Jacobi Forcing); n=4 with
-    2 candidates of 2 tokens TPF 1.26, 0.98x; without pool candidates (verify_size=0) n=8
-    falls to TPF 1.08. For comparison the ngram baseline: TPF 1.64 at 0.70x. Use larger blocks
-    (the training block size) and max_blocks=2 for a Jacobi-Forcing-trained model on a GPU.
-    """
+    # CPU defaults, chosen by measured CPU time against AR (README "Mode defaults"); the reference
+    # GPU setting is block_size=64, max_blocks=2, init="random" (larger blocks pay on a GPU).
 
     block_size: int = 8  # n
     max_blocks: int = 1  # K: one real-active + up to K-1 pseudo-active blocks
@@ -81,6 +67,10 @@ class JacobiConfig:
             raise ValueError("JACOBI spawn_ratio must be in (0, 1]")
         if self.init not in ("random", "history"):
             raise ValueError("JACOBI init must be 'random' or 'history'")
+        if self.ngram_size < 2:
+            raise ValueError(f"JACOBI ngram_size must be >= 2 (a candidate drafts ngram_size - 1 tokens), got {self.ngram_size}")
+        if self.pool_size < 1 or self.verify_size < 0:
+            raise ValueError("JACOBI needs pool_size >= 1 and verify_size >= 0")
 
     @property
     def spawn_threshold(self) -> int:
@@ -230,7 +220,7 @@ class JacobiMode(Mode):
                 num[b, c + 1] = g
         rows, drafts, num = rows.to(device), drafts.to(device), num.to(device)
         target = logits.gather(1, rows.view(bsz, -1, 1).expand(-1, -1, logits.shape[-1]))
-        result = greedy_verify_candidates(target.view(bsz, n_branch, depth + 1, -1), drafts, num)
+        result = ctx.ops.greedy_candidates(target.view(bsz, n_branch, depth + 1, -1), drafts, num)
         argmax = logits.argmax(-1).tolist()
         outcomes = []
         for b, (s, a, t, w) in enumerate(zip(seqs, result.accept_len.tolist(), result.next_tokens.tolist(),

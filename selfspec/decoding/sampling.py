@@ -22,6 +22,16 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
 
+    def __post_init__(self) -> None:
+        # SGLang's rules (SamplingParams.verify), so the engines refuse what a server refuses;
+        # top_p = 0 would otherwise give all-NaN probabilities and emit token 0.
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or at least 1, got {self.top_k}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0

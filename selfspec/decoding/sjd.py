@@ -29,11 +29,9 @@ from selfspec.decoding.step import (
 
 @dataclass
 class SJDConfig:
-    """CPU defaults. HB-SJD uses W=16, H=24 on image tokens (H = one row up). On text with
-    tiny-base (CPU, batch 1, greedy) TPF stayed at 1.04-1.05 for W in {1, 2, 3, 4, 8} and H in
-    {1, 4, 8, 16}, while the CPU cost relative to AR grew with W (1.15x at W=1, 1.33x at W=2,
-    1.53x at W=4), so the window is kept small; H=1 repeats the last token, which catches the
-    runs a small model falls into."""
+    # CPU defaults (README "Mode defaults"): TPF barely moves with W on an untrained model while
+    # the cost grows with it, so the window is small; H=1 catches the runs a small model falls into.
+    # HB-SJD on image tokens uses W=16, H=one row up.
 
     window: int = 2  # W drafts per step (W + 1 query tokens)
     history_offset: int = 1  # H: history-filled drafts copy the token H positions back

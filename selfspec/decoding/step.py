@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from selfspec.decoding.sampling import SamplingParams
-from selfspec.decoding.verify import VerifyResult, greedy_verify, speculative_verify
+from selfspec.errors import UserError
+from selfspec.decoding.verify import REFERENCE_OPS, VerifyOps, VerifyResult
 
 
 @dataclass
@@ -107,6 +108,7 @@ class StepContext:
     top_k: torch.Tensor  # [B] long
     top_p: torch.Tensor  # [B] float
     seeds: torch.Tensor  # [B, Mode.seeds_per_step] long
+    ops: VerifyOps = REFERENCE_OPS  # the verify implementations (chosen once by the engine)
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -117,13 +119,14 @@ class StepContext:
         return bool(self.greedy.all())
 
     @staticmethod
-    def from_params(params: list[SamplingParams], seeds: torch.Tensor) -> StepContext:
+    def from_params(params: list[SamplingParams], seeds: torch.Tensor, ops: VerifyOps = REFERENCE_OPS) -> StepContext:
         dev = seeds.device
         return StepContext(
             torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
             torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
             seeds,
+            ops,
         )
 
 
@@ -146,9 +149,9 @@ def verify_drafts(
     otherwise p/q speculative acceptance (greedy rows then reduce to the greedy rule, since p
     is one-hot). Uses seeds ctx.seeds[:, :D+1] (the verify contract's per-position seeds)."""
     if ctx.all_greedy:
-        return greedy_verify(target_logits, drafts, num_drafts)
+        return ctx.ops.greedy(target_logits, drafts, num_drafts)
     depth = drafts.shape[1]
-    return speculative_verify(
+    return ctx.ops.speculative(
         target_logits, drafts, num_drafts, ctx.seeds[:, : depth + 1],
         ctx.temperature, ctx.top_k, ctx.top_p, tau, draft_probs,
     )
@@ -174,5 +177,5 @@ class Mode:
         raise NotImplementedError
 
 
-class ModeUnavailable(ValueError):
+class ModeUnavailable(UserError):
     """The model cannot run this mode (no mask token, no adapter, ...); the message says why."""

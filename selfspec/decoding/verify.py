@@ -10,12 +10,14 @@ uniform of position i is uniform(seed[b, i], 0); Gumbel noise for vocab entry v 
 position is gumbel(seed[b, i], v + 1). Identical seeds give identical results in every
 implementation (the Triton kernels are tested bit-exact against these references).
 
-The public functions dispatch to a kernel where one is available (see selfspec.kernels);
-the `*_reference` functions are the definitions.
+The `*_reference` functions are the definitions. Modes call whatever `VerifyOps` the engine
+put in the step context; kernels of the same functions live in `selfspec.kernels`, which this
+package never imports.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +30,6 @@ from selfspec.decoding.sampling import logits_to_probs
 class VerifyResult:
     accept_len: torch.Tensor  # [B] long: drafts accepted, a prefix of each row
     next_tokens: torch.Tensor  # [B] long: the resampled token at the first rejection, or the bonus
-
-    @property
-    def new_tokens(self) -> torch.Tensor:
-        """[B] tokens committed this step per row: accepted drafts plus one."""
-        return self.accept_len + 1
 
 
 @dataclass
@@ -138,24 +135,14 @@ def greedy_verify_candidates_reference(
     return CandidateVerifyResult(lens[rows, best], flat.next_tokens.view(bsz, cands)[rows, best], best)
 
 
-def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor) -> VerifyResult:
-    from selfspec.kernels.dispatch import resolve
+@dataclass(frozen=True)
+class VerifyOps:
+    """The implementations a step verifies with: these references, or kernels computing the same
+    results (chosen once by the engine, `selfspec.engines.kernel_choice`)."""
 
-    return resolve("greedy_verify", greedy_verify_reference, target_logits)(target_logits, draft_tokens, num_drafts)
-
-
-def speculative_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
-                       seeds: torch.Tensor, temperature, top_k=0, top_p=1.0, tau=0.0,
-                       draft_probs: torch.Tensor | None = None) -> VerifyResult:
-    from selfspec.kernels.dispatch import resolve
-
-    impl = resolve("speculative_verify", speculative_verify_reference, target_logits)
-    return impl(target_logits, draft_tokens, num_drafts, seeds, temperature, top_k, top_p, tau, draft_probs)
+    greedy: Callable[..., VerifyResult] = greedy_verify_reference
+    speculative: Callable[..., VerifyResult] = speculative_verify_reference
+    greedy_candidates: Callable[..., CandidateVerifyResult] = greedy_verify_candidates_reference
 
 
-def greedy_verify_candidates(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-                             num_drafts: torch.Tensor) -> CandidateVerifyResult:
-    from selfspec.kernels.dispatch import resolve
-
-    impl = resolve("greedy_verify_candidates", greedy_verify_candidates_reference, target_logits)
-    return impl(target_logits, draft_tokens, num_drafts)
+REFERENCE_OPS = VerifyOps()

@@ -1,48 +1,42 @@
-"""The Hugging Face reference engine: runs any `selfspec.decoding` mode on a transformers model.
+"""The Hugging Face reference engine: runs any registered decoding mode on a transformers model.
 
     engine = HFEngine.from_pretrained("tiny-base", dtype=torch.float32, device="cpu")
     outs = engine.generate(prompt_ids, max_new_tokens=64, sampling=SamplingParams(), mode="isd",
                            mode_config={"stride": 4})
 
-What it does, per batch of prompts:
-1. prefill every prompt in one right-padded forward (positions 0 … len−1, causal); the last
-   prompt logits give the first token (AR sampling rule), which becomes the pending token;
-2. loop: ask the mode for each active sequence's step layout, run one forward over the padded
-   batch against the per-sequence slot KV cache (`kv_cache.SlotKVCache`: each row its own
-   committed length, position ids and 4D mask), hand the logits to the mode, commit the
-   emitted tokens through `SequenceProgress` (stop ids, max_new_tokens), keep the KV the mode
-   says to keep; finished sequences leave the batch.
-Sequences advance independently (no lockstep); randomness comes from per-sequence seed streams
-(`decoding.seeds`), so a seeded sequence gives the same output in any batch.
+This file loads models (with their selfspec.json and RISD adapter) and builds modes from the
+registry (`selfspec.decoding.registry`); a step is run by `runner.StepRunner` (model adapter,
+forward, logits processors) and the loop by `generate.generate_batch` (prefill, steps, stop
+conditions, callbacks, logprobs). The verify implementation (kernel or reference) is chosen
+once, when the engine is built.
 
-The model runs in the dtype it was loaded in; logits are compared in fp32. Models with sliding
+The model runs in the dtype it was loaded in and in the train/eval state its owner gave it
+(`from_pretrained` puts its own model in eval mode; a caller's model is left as it is: on-policy
+rollouts run on a model that is being trained). Logits are compared in fp32. Models with sliding
 window attention layers are refused (the mask here is full attention).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from selfspec.decoding import registry
 from selfspec.decoding.metadata import SelfspecMetadata, load_metadata, resolve_mask_token_id
-from selfspec.decoding.metrics import SequenceMetrics
-from selfspec.decoding.modes import normalize_mode, parse_mode_config
-from selfspec.decoding.progress import SequenceProgress, normalize_stop_ids
-from selfspec.decoding.sampling import SamplingParams, sample
-from selfspec.decoding.seeds import base_seeds, step_seeds
-from selfspec.decoding.step import DecodeSequence, Mode, ModeUnavailable, StepContext, StepLayout, collate
-from selfspec.engines.kv_cache import SlotKVCache, step_attention_mask
+from selfspec.decoding.progress import normalize_stop_ids
+from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.seeds import base_seeds
+from selfspec.decoding.step import Mode, ModeUnavailable
+from selfspec.engines.generate import GenerationOutput, StepCallback, generate_batch
+from selfspec.engines.kernel_choice import verify_ops
+from selfspec.engines.kv_cache import SlotKVCache
+from selfspec.engines.runner import LogitsProcessor, ModelAdapter, StepRunner, causal_lm
+from selfspec.kernels.lora_gate import model_gate
 
-
-@dataclass
-class GenerationOutput:
-    token_ids: list[int]  # generated tokens only; ends with the stop token if one was hit
-    finish_reason: str  # "stop" | "length"
-    metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
+__all__ = ["GenerationOutput", "HFEngine"]
 
 
 class HFEngine:
@@ -54,13 +48,14 @@ class HFEngine:
         metadata: SelfspecMetadata | None = None,
         mask_token_id: int | None = None,
         adapter: str | Path | None = None,
+        model_adapter: ModelAdapter = causal_lm,
+        processors: Sequence[LogitsProcessor] = (),
     ):
-        self.model = model.eval()
+        self.model = model
         self.tokenizer = tokenizer
         self.metadata = metadata
         self.mask_token_id = mask_token_id
         self.adapter = str(adapter) if adapter is not None else None
-        self._gate = getattr(model, "_selfspec_gate", None)  # LoRAGate once an adapter is attached
         config = model.config
         layer_types = getattr(config, "layer_types", None) or []
         if "sliding_attention" in layer_types or getattr(config, "use_sliding_window", False):
@@ -69,6 +64,8 @@ class HFEngine:
         self.dtype = next(model.parameters()).dtype
         self.num_layers = config.num_hidden_layers
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.runner = StepRunner(model, model_adapter, processors)
+        self.verify_ops = verify_ops(self.device)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -100,7 +97,7 @@ class HFEngine:
         elif adapter is None and metadata is not None and metadata.adapter:
             adapter = metadata.adapter_path
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
-        model.to(device)
+        model.to(device).eval()
         tokenizer = None
         for tok_dir in (path, model_dir):
             try:
@@ -129,44 +126,24 @@ class HFEngine:
         A `Mode` instance is used as given (custom or instrumented modes)."""
         if isinstance(mode, Mode):
             return mode
-        mode = normalize_mode(mode)
+        spec = registry.get(mode)
         meta = self.metadata
-        defaults: dict[str, Any] = {}
-        if meta is not None and mode in ("isd", "risd") and meta.stride:
-            defaults["stride"] = meta.stride
-        cfg = parse_mode_config(mode, mode_config, defaults)
-        if mode == "ar":
-            from selfspec.decoding.ar import ARMode
-
-            return ARMode()
-        if mode in ("isd", "risd"):
-            from selfspec.decoding.isd import ISDMode
-
+        defaults = {k: getattr(meta, k) for k in spec.metadata_fields} if meta is not None else {}
+        cfg = registry.parse_mode_config(spec.name, mode_config, defaults)
+        mask_id = None
+        if spec.needs_mask_token:
             mask_id = self.resolve_mask_token(cfg.mask_token_id)
             if mask_id is None:
                 raise ModeUnavailable(
-                    f"{mode.upper()} needs a [MASK] token and this model has none: its tokenizer has no "
+                    f"{spec.name.upper()} needs a [MASK] token and this model has none: its tokenizer has no "
                     "mask_token, it has no selfspec.json with mask_token_id, and mode_config gives no "
                     "mask_token_id"
                 )
             if not 0 <= mask_id < self.model.get_input_embeddings().weight.shape[0]:
                 raise ModeUnavailable(f"mask token id {mask_id} is outside the model's embedding table")
-            if mode == "risd":
-                self._ensure_adapter(cfg.adapter or self.adapter)
-            return ISDMode(cfg, mask_id, gated=mode == "risd")
-        if mode == "jacobi":
-            from selfspec.decoding.jacobi import JacobiMode
-
-            return JacobiMode(cfg, self.vocab_size)
-        if mode == "sjd":
-            from selfspec.decoding.sjd import SJDMode
-
-            return SJDMode(cfg)
-        if mode == "ngram":
-            from selfspec.decoding.ngram import NgramMode
-
-            return NgramMode(cfg)
-        raise AssertionError(mode)
+        if spec.needs_adapter:
+            self._ensure_adapter(cfg.adapter or self.adapter)
+        return registry.build(spec.name, cfg, registry.ModeResources(mask_id, self.vocab_size))
 
     def _ensure_adapter(self, adapter: str | None) -> None:
         if adapter is None:
@@ -177,8 +154,7 @@ class HFEngine:
         adapter = str(Path(adapter).expanduser().resolve())
         # the wrapper lives in the model (in place): engines sharing a model share its adapter
         attached = getattr(self.model, "_selfspec_adapter", None)
-        if attached == adapter:
-            self._gate = self.model._selfspec_gate
+        if attached == adapter and model_gate(self.model) is not None:
             return
         if attached is not None:
             raise ValueError(f"this model already carries adapter {attached}; load a fresh model for {adapter}")
@@ -186,9 +162,8 @@ class HFEngine:
 
         if not Path(adapter, "adapter_config.json").is_file():
             raise ModeUnavailable(f"RISD adapter {adapter} has no adapter_config.json")
-        self._gate = attach_gated_adapter(self.model, adapter)
+        attach_gated_adapter(self.model, adapter)
         self.model._selfspec_adapter = adapter
-        self.model._selfspec_gate = self._gate
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -201,7 +176,11 @@ class HFEngine:
         mode: str | Mode = "ar",
         mode_config: Any = None,
         batch_size: int | None = None,
+        callbacks: Sequence[StepCallback] = (),
+        logprobs: bool = False,
     ) -> list[GenerationOutput]:
+        """`callbacks` see every step (`generate.StepEvent`); `logprobs=True` fills each output's
+        per-token log-probabilities (see `engines/generate.py`)."""
         prompts = [list(map(int, p)) for p in prompt_ids]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -219,85 +198,12 @@ class HFEngine:
         with torch.inference_mode():  # (mode building above may attach an adapter: not in here)
             for start in range(0, n, size):
                 sl = slice(start, start + size)
-                outs.extend(self._generate_batch(prompts[sl], params[sl], seeds[sl], stops, max_new_tokens, mode_obj))
+                batch_prompts = prompts[sl]
+                capacity = max(map(len, batch_prompts)) + max_new_tokens + mode_obj.max_width + 8
+                cache = SlotKVCache(self.num_layers, len(batch_prompts), capacity, self.device, self.dtype)
+                outs.extend(generate_batch(self.runner, mode_obj, batch_prompts, params[sl], seeds[sl], stops,
+                                           max_new_tokens, cache, self.verify_ops, callbacks, logprobs))
         return outs
-
-    def _forward(self, cache: SlotKVCache, batch) -> torch.Tensor:
-        cache.begin_step(batch.width)
-        positions = cache.lengths.unsqueeze(1) + batch.offsets
-        mask = step_attention_mask(cache.lengths, batch.local, cache._visible, self.dtype)
-        gate_ctx = self._gate.active(batch.gate) if self._gate is not None else _null()
-        with gate_ctx:
-            out = self.model(
-                input_ids=batch.tokens, position_ids=positions, attention_mask=mask,
-                past_key_values=cache, use_cache=True,
-            )
-        return out.logits.float()
-
-    def _generate_batch(self, prompts, params, seeds, stops, max_new_tokens, mode: Mode) -> list[GenerationOutput]:
-        n = len(prompts)
-        progress = [SequenceProgress(max_new_tokens, stops) for _ in range(n)]
-        metrics = [SequenceMetrics() for _ in range(n)]
-        if max_new_tokens <= 0:
-            return [GenerationOutput([], "length", m) for m in metrics]
-        dev = self.device
-        capacity = max(map(len, prompts)) + max_new_tokens + mode.max_width + 8
-        cache = SlotKVCache(self.num_layers, n, capacity, dev, self.dtype)
-        base = torch.tensor(seeds, dtype=torch.long, device=dev)
-        counter = torch.zeros(n, dtype=torch.long, device=dev)
-
-        # prefill: the whole prompt, causal; the last prompt logits give the first token
-        batch = collate([StepLayout(p) for p in prompts], device=dev)
-        logits = self._forward(cache, batch)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
-        ctx = StepContext.from_params(params, step_seeds(base, counter, 1))
-        counter += 1
-        first_logits = logits[torch.arange(n, device=dev), last]
-        first = first_logits.argmax(-1) if ctx.all_greedy else sample(
-            first_logits, ctx.seeds[:, 0], ctx.temperature, ctx.top_k, ctx.top_p)
-        cache.commit([list(range(len(p))) for p in prompts])
-        seqs = [DecodeSequence(list(p), sp) for p, sp in zip(prompts, params)]
-        for i, tok in enumerate(first.tolist()):
-            metrics[i].record_prefill(progress[i].commit([tok]))
-            seqs[i].history.append(tok)
-
-        active = list(range(n))
-        active = self._drop_finished(active, progress, cache)
-        for i in active:
-            mode.start(seqs[i])
-        base, counter = base[active], counter[active]
-        act_params = [params[i] for i in active]
-        while active:
-            rows = [seqs[i] for i in active]
-            layouts = mode.layouts(rows)
-            batch = collate(layouts, device=dev)
-            logits = self._forward(cache, batch)
-            ctx = StepContext.from_params(act_params, step_seeds(base, counter, mode.seeds_per_step))
-            counter = counter + mode.seeds_per_step
-            outcomes = mode.finish(rows, batch, logits, ctx)
-            keeps = []
-            for i, lay, out in zip(active, layouts, outcomes):
-                if len(out.keep) != len(out.emit):
-                    raise AssertionError(f"{mode.name}: keep {out.keep} does not match emit {out.emit}")
-                metrics[i].record_step(len(lay), progress[i].commit(out.emit))
-                seqs[i].history.extend(out.emit)
-                keeps.append(out.keep)
-            cache.commit(keeps)
-            still = [j for j, i in enumerate(active) if not progress[i].finished]
-            if len(still) != len(active):
-                idx = torch.tensor(still, dtype=torch.long, device=dev)
-                cache.select(idx)
-                base, counter = base[idx], counter[idx]
-                active = [active[j] for j in still]
-                act_params = [act_params[j] for j in still]
-        return [GenerationOutput(p.tokens, p.finish_reason, m) for p, m in zip(progress, metrics)]
-
-    @staticmethod
-    def _drop_finished(active, progress, cache: SlotKVCache):
-        still = [j for j, i in enumerate(active) if not progress[i].finished]
-        if len(still) != len(active):
-            cache.select(torch.tensor(still, dtype=torch.long, device=cache.device))
-        return [active[j] for j in still]
 
     # ------------------------------------------------------------------ conveniences
     def encode(self, text: str) -> list[int]:
@@ -309,17 +215,3 @@ class HFEngine:
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer")
         return self.tokenizer.decode(ids)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def timed_generate(engine: HFEngine, *args, **kwargs) -> tuple[list[GenerationOutput], float]:
-    start = time.perf_counter()
-    outs = engine.generate(*args, **kwargs)
-    return outs, time.perf_counter() - start

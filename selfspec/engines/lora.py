@@ -5,8 +5,8 @@ adapter_model.safetensors) and swaps each targeted nn.Linear for a `GatedLoRALin
 
     h = W x + b + m · scaling · B A x        (selfspec.kernels.gated_lora.gated_lora_linear)
 
-with m the per-token gate the engine sets before each forward (`LoRAGate.mask`, [B, T] bool:
-True at [MASK] positions). Tokens with m = 0 get exactly the base layer's output (bit for bit),
+with m the per-token gate the engine sets before each forward (`selfspec.kernels.lora_gate`:
+the model's one `LoRAGate`, mask [B, T] bool, True at [MASK] positions). Tokens with m = 0 get exactly the base layer's output (bit for bit),
 so verify positions and their KV are the base model's. PEFT `modules_to_save` (a full copy of
 a module, e.g. lm_head or embed_tokens) and `trainable_token_indices` (replaced embedding rows)
 are gated the same way: used at gated tokens only.
@@ -16,29 +16,15 @@ from __future__ import annotations
 
 import json
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from selfspec.kernels.gated_lora import gated_lora_linear
-
-
-class LoRAGate:
-    """Shared per-forward gate: mask [B, T] bool, or None (adapter off everywhere)."""
-
-    def __init__(self) -> None:
-        self.mask: torch.Tensor | None = None
-
-    @contextmanager
-    def active(self, mask: torch.Tensor | None):
-        self.mask = mask if mask is not None and bool(mask.any()) else None
-        try:
-            yield
-        finally:
-            self.mask = None
+from selfspec.kernels.dispatch import resolve_once
+from selfspec.kernels.gated_lora import gated_lora_linear_reference
+from selfspec.kernels.lora_gate import LoRAGate, set_model_gate
 
 
 class GatedLoRALinear(nn.Module):
@@ -49,6 +35,7 @@ class GatedLoRALinear(nn.Module):
         self.lora_b = nn.Parameter(lora_b.to(base.weight.dtype), requires_grad=False)
         self.scaling = float(scaling)
         self.gate = gate
+        self.impl = resolve_once("gated_lora_linear", gated_lora_linear_reference)
 
     @property
     def weight(self) -> torch.Tensor:  # some HF code reads .weight of projections
@@ -58,7 +45,7 @@ class GatedLoRALinear(nn.Module):
         mask = self.gate.mask
         if mask is None:
             return self.base(x)
-        return gated_lora_linear(x, self.base.weight, self.base.bias, self.lora_a, self.lora_b, self.scaling, mask)
+        return self.impl(x, self.base.weight, self.base.bias, self.lora_a, self.lora_b, self.scaling, mask)
 
 
 class GatedReplacement(nn.Module):
@@ -193,10 +180,11 @@ def parse_adapter(adapter_dir: str | Path) -> ParsedAdapter:
 
 
 def attach_gated_adapter(model: nn.Module, adapter_dir: str | Path, gate: LoRAGate | None = None) -> LoRAGate:
-    """Wrap the adapter's target modules of `model` (in place); returns the gate to drive them."""
+    """Wrap the adapter's target modules of `model` (in place); returns the gate that drives them
+    (also `model.selfspec_lora_gate`)."""
     adapter = parse_adapter(adapter_dir)
     config, token_rows, saved = adapter.config, adapter.token_rows, adapter.saved
-    gate = gate or LoRAGate()
+    gate = set_model_gate(model, gate or LoRAGate())
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
     for name, (lora_a, lora_b, scaling) in adapter.lora.items():

@@ -1,6 +1,6 @@
 """Optional accelerations of selfspec's rules, each beside a plain-torch reference of the same
-signature; `selfspec.kernels.dispatch.resolve` picks one per call (SELFSPEC_KERNELS=auto|triton|
-reference).
+signature; `selfspec.kernels.dispatch.resolve` picks one (SELFSPEC_KERNELS=auto|triton|reference),
+once per engine or attached layer. Nothing here imports `selfspec.decoding`: kernels sit below it.
 
   verify_triton       fused p/q speculative verify (online softmax + Gumbel-max), greedy verify,
                       greedy candidate/tree verify (references: selfspec.decoding.verify)

@@ -1,8 +1,10 @@
-"""Chooses, per call, between an accelerated kernel and its torch reference.
+"""Chooses between an accelerated kernel and its torch reference.
 
 Every accelerated function has a plain-torch reference with the same signature (the rule's one
 definition, in `selfspec.decoding` or next to the kernel); this module only decides which of the
-two runs. The choice is made per call from the environment variable ``SELFSPEC_KERNELS``:
+two runs. Callers resolve once and keep the function (the engines when they are built:
+`selfspec.engines.kernel_choice`; the gated LoRA layers when they are attached). The choice
+follows the environment variable ``SELFSPEC_KERNELS`` at that moment:
 
 * ``auto`` (default): the accelerated implementation when the sample tensor is on CUDA and
   Triton imports; the reference everywhere else.
@@ -102,3 +104,17 @@ def resolve(name: str, reference: Callable, sample: torch.Tensor) -> Callable:
     if sample.is_cuda and triton_available():
         return _load(name, forced=False)
     return reference
+
+
+def resolve_once(name: str, reference: Callable) -> Callable:
+    """`reference`'s drop-in that resolves `name` at its first call on each device type and keeps
+    that choice (for layers built before the model is moved to its device)."""
+    chosen: dict[str, Callable] = {}
+
+    def call(sample: torch.Tensor, *args, **kwargs):
+        impl = chosen.get(sample.device.type)
+        if impl is None:
+            impl = chosen[sample.device.type] = resolve(name, reference, sample)
+        return impl(sample, *args, **kwargs)
+
+    return call

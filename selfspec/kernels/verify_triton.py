@@ -65,7 +65,20 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from selfspec.decoding.verify import CandidateVerifyResult, VerifyResult
+from typing import NamedTuple
+
+
+class VerifyResult(NamedTuple):
+    """Field for field the decoding core's result (kernels sit below decoding and do not import it)."""
+
+    accept_len: torch.Tensor  # [B] long
+    next_tokens: torch.Tensor  # [B] long
+
+
+class CandidateVerifyResult(NamedTuple):
+    accept_len: torch.Tensor
+    next_tokens: torch.Tensor
+    best_candidate: torch.Tensor
 
 INTERPRETED = bool(knobs.runtime.interpret)
 POISON_SCRATCH = False  # tests set this: scratch buffers are filled with garbage before every launch

@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from selfspec.decoding import registry
 from selfspec.sglang_ext import config as cfgmod
 
 _DESTS = ("selfspec_config", "selfspec_stride", "selfspec_tau", "selfspec_mask_token_id", "selfspec_lora",
@@ -25,8 +26,8 @@ def add_selfspec_args(parser: argparse.ArgumentParser) -> None:
     if any(a.dest == "selfspec_config" for a in parser._actions):
         return
     g = parser.add_argument_group(
-        "selfspec", "Self-speculative decoding (--speculative-algorithm ISD | RISD | JACOBI | SJD). Defaults come "
-        "from the checkpoint's selfspec.json, then the mode's defaults.")
+        "selfspec", f"Self-speculative decoding (--speculative-algorithm {' | '.join(registry.SGLANG_ALGORITHMS)}). "
+        "Defaults come from the checkpoint's selfspec.json, then the mode's defaults.")
     g.add_argument("--selfspec-config", default=None, metavar="FILE.yaml",
                    help="mode options in one YAML file (presets: serving_configs/*.yaml); flags below override it")
     g.add_argument("--selfspec-stride", type=int, default=None, metavar="N",
@@ -38,13 +39,13 @@ def add_selfspec_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--selfspec-lora", default=None, metavar="DIR",
                    help="RISD gated LoRA adapter (PEFT directory; default: selfspec.json 'adapter')")
     g.add_argument("--selfspec-options", default=None, metavar="K=V,...",
-                   help="any option of the mode's decoding config, e.g. 'block_size=16,num_blocks=2' (JACOBI) "
-                   "or 'window=8' (SJD)")
+                   help="any option of the mode's decoding config, e.g. 'block_size=16,max_blocks=2' (JACOBI) "
+                   "or 'window=8' (SJD); checked when the server starts. Options: "
+                   + "; ".join(f"{s.sglang_algorithm}: {', '.join(s.defaults)}"
+                               for s in registry.SGLANG_ALGORITHMS.values()))
 
 
 def flags_from_namespace(args: argparse.Namespace) -> dict[str, Any]:
-    from selfspec.decoding.modes import parse_option_string
-
     out: dict[str, Any] = {}
     if getattr(args, "selfspec_config", None):
         out["config"] = os.path.abspath(os.path.expanduser(args.selfspec_config))
@@ -54,7 +55,7 @@ def flags_from_namespace(args: argparse.Namespace) -> dict[str, Any]:
             out[key] = os.path.abspath(os.path.expanduser(v)) if key == "lora" else v
     if getattr(args, "selfspec_options", None):
         try:
-            out["options"] = parse_option_string(args.selfspec_options)
+            out["options"] = registry.parse_option_string(args.selfspec_options)
         except ValueError as e:
             raise cfgmod.SelfSpecConfigError(f"[selfspec] --selfspec-options: {e}") from None
     return out

@@ -5,7 +5,7 @@ Sources, highest precedence first:
 2. `--selfspec-config FILE.yaml` (presets in `serving_configs/`);
 3. the checkpoint's `selfspec.json` (`selfspec.decoding.metadata`): mode, stride, mask token,
    RISD adapter, so `--speculative-algorithm ISD --model-path <I-DLM checkpoint>` needs nothing else;
-4. the mode's own defaults (`selfspec.decoding.modes.config_class(mode)`).
+4. the mode's own defaults (its config class in `selfspec.decoding.registry`).
 
 `resolve(server_args)` merges them, builds the decoding-core mode once to learn its fixed
 verify width, and checks everything a server would otherwise discover mid-request. Each
@@ -17,16 +17,15 @@ after resolution, run exactly what the launcher validated.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfspec.decoding.metadata import SelfspecMetadata, load_metadata
-
-ALGORITHMS = ("ISD", "RISD", "JACOBI", "SJD")
+from selfspec.decoding import registry
+from selfspec.errors import UserError
+from selfspec.decoding.metadata import MetadataError, SelfspecMetadata, load_metadata, weights_sha256
 #: JSON of the `--selfspec-*` flags, set by the CLI hook in the launching process.
 FLAGS_ENV = "SELFSPEC_SERVER_FLAGS"
 #: JSON of the resolved configuration, set after validation for the scheduler processes.
@@ -36,7 +35,7 @@ STRIDE_RANGE = (2, 16)
 MAX_WIDTH = 256  # query tokens per request and step; a larger tree is a configuration mistake
 
 
-class SelfSpecConfigError(ValueError):
+class SelfSpecConfigError(UserError):
     """A server argument or checkpoint the selfspec plugin cannot serve; the message says why and how to fix it."""
 
 
@@ -55,8 +54,12 @@ class ResolvedConfig:
     sources: dict[str, str] = field(default_factory=dict)  # option -> where it came from
 
     @property
+    def spec(self) -> registry.ModeSpec:
+        return registry.for_sglang_algorithm(self.algorithm)
+
+    @property
     def mode(self) -> str:
-        return self.algorithm.lower()
+        return self.spec.name
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -115,80 +118,36 @@ def _model_config(model_path: str) -> dict[str, Any]:
     return json.loads(f.read_text()) if f.is_file() else {}
 
 
-def checkpoint_sha256(model_path: str | Path) -> str:
-    """Fingerprint of a base checkpoint's weights: sha256 over its *.safetensors files (sorted by
-    name, bytes in order). What an adapter's `selfspec.json` records as `lora.base_sha256`
-    (`selfspec.training.export.weights_sha256` when the training package is importable)."""
-    try:
-        from selfspec.training.export import weights_sha256
-
-        return weights_sha256(model_path)
-    except ImportError:
-        pass
-    h = hashlib.sha256()
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    for f in files:
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 # ---------------------------------------------------------------------------------- resolution
-def _mode_defaults(algorithm: str) -> dict[str, Any]:
-    from selfspec.decoding.modes import config_class
-
-    cls = config_class(algorithm.lower())
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            out[f.name] = f.default_factory()  # type: ignore[misc]
-    return out
-
-
 def build_mode(cfg: ResolvedConfig):
     """The decoding-core Mode object for a resolved configuration (one source of truth)."""
-    from selfspec.decoding.modes import parse_mode_config
-
-    algo = cfg.algorithm
-    options = dict(cfg.options)
-    if algo in ("ISD", "RISD"):
-        from selfspec.decoding.isd import ISDMode
-
-        config = parse_mode_config("isd", options)
-        return ISDMode(config, cfg.mask_token_id, gated=(algo == "RISD"))
-    if algo == "JACOBI":
-        from selfspec.decoding.jacobi import JacobiMode
-
-        vocab = _model_config(cfg.model_path).get("vocab_size")
-        if vocab is None:
-            raise _err(f"JACOBI needs the vocabulary size: {cfg.model_path}/config.json has no vocab_size")
-        return JacobiMode(parse_mode_config("jacobi", options), int(vocab))
-    if algo == "SJD":
-        from selfspec.decoding.sjd import SJDMode
-
-        return SJDMode(parse_mode_config("sjd", options))
-    raise _err(f"unknown algorithm {algo}")
+    spec = cfg.spec
+    vocab = _model_config(cfg.model_path).get("vocab_size")
+    if spec.needs_vocab_size and vocab is None:
+        raise _err(f"{cfg.algorithm} needs the vocabulary size: {cfg.model_path}/config.json has no vocab_size")
+    config = registry.parse_mode_config(spec.name, dict(cfg.options))
+    resources = registry.ModeResources(cfg.mask_token_id, int(vocab) if vocab is not None else None)
+    return registry.build(spec.name, config, resources)
 
 
 def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
     """Merge flags, YAML, checkpoint metadata and defaults; validate; return the configuration."""
     algorithm = (algorithm or server_args.speculative_algorithm or "").upper()
-    if algorithm not in ALGORITHMS:
-        raise _err(f"--speculative-algorithm {algorithm} is not a selfspec mode ({', '.join(ALGORITHMS)})")
+    spec = registry.for_sglang_algorithm(algorithm)
+    if spec is None:
+        raise _err(f"--speculative-algorithm {algorithm} is not a selfspec mode "
+                   f"({', '.join(registry.SGLANG_ALGORITHMS)})")
     model_path = str(server_args.model_path)
     flags = cli_flags_from_env()
     yaml_cfg = load_yaml_config(flags["config"]) if flags.get("config") else {}
-    meta: SelfspecMetadata | None = load_metadata(model_path) if Path(model_path).is_dir() else None
+    meta = _load_metadata(model_path)
 
     yaml_mode = yaml_cfg.pop("mode", None)
     if yaml_mode is not None and str(yaml_mode).upper() != algorithm:
         raise _err(f"--selfspec-config {flags['config']} is a {str(yaml_mode).upper()} preset but "
                    f"--speculative-algorithm is {algorithm}: use the matching preset or algorithm")
 
-    defaults = _mode_defaults(algorithm)
+    defaults = spec.defaults
     known = set(defaults)
     options: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -205,18 +164,16 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
     for k, v in defaults.items():
         put(k, v, "default")
     metas = [meta]
-    if algorithm == "RISD":
+    if spec.needs_adapter:
         adapter = flags.get("lora") or yaml_cfg.get("adapter") or (meta.adapter_path if meta else None)
         if adapter and Path(adapter).expanduser().is_dir():
-            metas.append(load_metadata(Path(adapter).expanduser()))
+            metas.append(_load_metadata(Path(adapter).expanduser()))
     for m in metas:
-        if m is None or algorithm not in ("ISD", "RISD"):
+        if m is None:
             continue
         src = f"{m.path}/selfspec.json"
-        if m.stride is not None:
-            put("stride", m.stride, src)
-        if m.mask_token_id is not None:
-            put("mask_token_id", m.mask_token_id, src)
+        for key in spec.metadata_fields:
+            put(key, getattr(m, key), src)
     for k, v in yaml_cfg.items():
         put(k, v, f"--selfspec-config {flags['config']}")
     flag_opts = dict(flags.get("options") or {})
@@ -239,9 +196,18 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
     return cfg
 
 
+def _load_metadata(directory: str | Path) -> SelfspecMetadata | None:
+    if not Path(directory).is_dir():
+        return None
+    try:
+        return load_metadata(directory)
+    except MetadataError as e:
+        raise _err(str(e)) from None
+
+
 def _check_mode_specific(cfg: ResolvedConfig, server_args: Any, flags: dict, meta: SelfspecMetadata | None) -> None:
     algo = cfg.algorithm
-    if algo not in ("ISD", "RISD"):
+    if not cfg.spec.needs_mask_token:
         return
     stride = cfg.options.get("stride")
     lo, hi = STRIDE_RANGE
@@ -271,7 +237,7 @@ def _check_mode_specific(cfg: ResolvedConfig, server_args: Any, flags: dict, met
     cfg.options["mask_token_id"] = int(mask_id)
     cfg.sources.setdefault("mask_token_id", "resolved")
 
-    if algo == "RISD":
+    if cfg.spec.needs_adapter:
         adapter = flags.get("lora") or cfg.options.get("adapter") or (meta.adapter_path if meta else None)
         if not adapter:
             raise _err("RISD needs a gated LoRA adapter, and none was given: pass --selfspec-lora ADAPTER_DIR "
@@ -296,10 +262,14 @@ def check_adapter(adapter: str, model_path: str) -> None:
         config, state = load_adapter_state(a)
     except (FileNotFoundError, ValueError) as e:
         raise _err(f"RISD adapter {adapter}: {e}") from None
-    meta = load_metadata(a)
+    meta = _load_metadata(a)
     want = meta.lora.base_sha256 if meta is not None and meta.lora is not None else None
     if want:
-        have = checkpoint_sha256(model_path)
+        try:
+            have = weights_sha256(model_path)
+        except FileNotFoundError:
+            raise _err(f"RISD adapter {adapter} records the weights hash of its base, but {model_path} has no "
+                       "*.safetensors to compare it with: serve a safetensors checkpoint") from None
         if have != want:
             base_hint = f" (it names base {meta.base_model!r})" if meta.base_model else ""
             raise _err(f"RISD adapter {adapter} was trained on another base{base_hint}: its selfspec.json "
@@ -388,9 +358,9 @@ def check_server_combination(server_args: Any, cfg: ResolvedConfig) -> None:
         raise _err(f"{algo} cannot mix prefill chunks into verify batches: remove --enable-mixed-chunk")
     if get("dllm_algorithm"):
         raise _err(f"{algo} and --dllm-algorithm are alternatives: use one of them")
-    if algo == "RISD" and (get("tp_size") or 1) > 1:
+    if cfg.spec.needs_adapter and (get("tp_size") or 1) > 1:
         raise _err("RISD's gated LoRA supports --tp-size 1 only (ISD, JACOBI and SJD work with tensor parallelism)")
-    if algo == "RISD" and get("enable_lora"):
+    if cfg.spec.needs_adapter and get("enable_lora"):
         raise _err("RISD installs its own gated LoRA in the linear layers: remove --enable-lora / --lora-paths")
     if get("device") == "cpu":
         backend = get("attention_backend")

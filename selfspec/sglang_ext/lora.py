@@ -10,13 +10,14 @@ on its own output slice and exact zeros elsewhere.
 Installation (no patched files): the plugin registers AROUND hooks on SGLang's
 `UnquantizedLinearMethod.apply` / `apply_into` and `UnquantizedEmbeddingMethod.embedding`; the
 worker attaches the adapter tensors to the target layers (`attach_to_sglang_model`) and sets the
-per-forward gate (`gate(handle, mask)`, mask [bs, W] bool, True at MASK positions). A layer
+per-forward mask on the model's one `LoRAGate` (`selfspec.kernels.lora_gate`; mask [bs, W] bool,
+True at MASK positions). A layer
 without an adapter, or a forward without a gate (prefill, other modes), runs the original
 method untouched. With a gate, the output is the original method's output plus the LoRA delta
 at the gated rows (`selfspec.kernels.gated_lora.add_gated_lora`): gated-off rows are the
 original output bit for bit on every device, and the base projection runs once. On CUDA every
 op is shape-static, so the path can be captured in SGLang's target-verify CUDA graph (the gate
-then lives in a persistent buffer); on CPU the delta is computed on the gated rows only.
+then copies each mask into its persistent buffer); on CPU the delta is computed on the gated rows only.
 
 Supported adapter contents: LoRA on q/k/v/o/gate/up/down projections, and PEFT embedding
 updates of `embed_tokens` (`trainable_token_indices` rows, or `modules_to_save`), used at gated
@@ -26,12 +27,13 @@ parallelism > 1.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from selfspec.kernels.gated_lora import add_gated_lora
+from selfspec.kernels.lora_gate import LoRAGate, model_gate, set_model_gate
 
 _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -47,98 +49,42 @@ class LoRAAttachError(ValueError):
 class LayerLoRA:
     lora_a: torch.Tensor  # [r_total, in]
     lora_b: torch.Tensor  # [out, r_total], scaling folded in
+    gate: LoRAGate  # the model's gate (the hooks are global; the layer says which gate it follows)
 
 
 @dataclass
 class EmbeddingUpdate:
     weight: torch.Tensor  # [vocab, hidden] adapted table (used at gated tokens only)
-
-
-class _GateState(threading.local):
-    mask: torch.Tensor | None = None  # [T] bool over the forward's tokens
-
-
-_STATE = _GateState()
+    gate: LoRAGate
 
 
 class GatedLoRAHandle:
-    """What the worker keeps: the attached layers (for logging) and the gate buffer."""
+    """What the worker keeps: the attached layers (for logging) and the model's gate."""
 
-    def __init__(self, layers: dict[str, LayerLoRA], embeddings: dict[str, EmbeddingUpdate], adapter: str):
+    def __init__(self, layers: dict[str, LayerLoRA], embeddings: dict[str, EmbeddingUpdate], adapter: str,
+                 gate: LoRAGate):
         self.layers = layers
         self.embeddings = embeddings
         self.adapter = adapter
+        self.gate = gate
 
     def __repr__(self) -> str:
         return f"GatedLoRAHandle({self.adapter}: {len(self.layers)} layers, {len(self.embeddings)} embeddings)"
 
 
-#: CUDA graphs: a persistent gate buffer. Captured target-verify graphs read their gate from a
-#: slice of it (`_capture_around`), so each replay sees the gate the worker wrote before it.
-_GRAPH_GATE: torch.Tensor | None = None
-
-
-def set_graph_gate_buffer(buffer: torch.Tensor | None) -> None:
-    global _GRAPH_GATE
-    _GRAPH_GATE = buffer
-
-
-@contextmanager
-def gate(handle: GatedLoRAHandle | None, mask: torch.Tensor | None):
-    """Turn the adapter on at `mask` (any shape; flattened to the forward's token order)."""
-    if handle is None or mask is None:
-        yield
-        return
-    prev = _STATE.mask
-    flat = mask.reshape(-1).to(torch.bool)
-    if _GRAPH_GATE is not None and flat.numel() <= _GRAPH_GATE.numel():
-        # graph replay reads the buffer (padded rows stay off); eager forwards read the same slice
-        _GRAPH_GATE.zero_()
-        _GRAPH_GATE[: flat.numel()].copy_(flat, non_blocking=True)
-        flat = _GRAPH_GATE[: flat.numel()]
-    _STATE.mask = flat
-    try:
-        yield
-    finally:
-        _STATE.mask = prev
-
-
 def _capture_around(original, self, size, *args, **kwargs):
     """While SGLang captures a target-verify CUDA graph of `size` requests, the LoRA hooks read
-    their gate from the persistent buffer, so the gated path is part of the graph."""
-    if _GRAPH_GATE is None:
+    their gate from the gate's persistent buffer, so the gated path is part of the graph."""
+    gate = model_gate(self.model_runner.model)
+    if gate is None:
         return original(self, size, *args, **kwargs)
-    n = int(size) * int(getattr(self, "captured_req_width", 1) or 1)
-    if n > _GRAPH_GATE.numel():
-        raise RuntimeError(f"RISD gate buffer holds {_GRAPH_GATE.numel()} tokens, the graph captures {n}")
-    prev = _STATE.mask
-    _STATE.mask = _GRAPH_GATE[:n]
-    try:
+    with gate.capture(int(size) * int(getattr(self, "captured_req_width", 1) or 1)):
         return original(self, size, *args, **kwargs)
-    finally:
-        _STATE.mask = prev
-
-
-@contextmanager
-def gate_off(handle: GatedLoRAHandle | None):
-    prev = _STATE.mask
-    _STATE.mask = None
-    try:
-        yield
-    finally:
-        _STATE.mask = prev
-
-
-def current_mask() -> torch.Tensor | None:
-    return _STATE.mask
 
 
 # ------------------------------------------------------------------------------ the hooks
-def _gated_output(layer, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    from selfspec.kernels.gated_lora import add_gated_lora
-
-    lora: LayerLoRA = layer._selfspec_lora
-    mask = _STATE.mask
+def _gated_output(lora: LayerLoRA, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    mask = lora.gate.mask.reshape(-1)
     flat_x = x.reshape(-1, x.shape[-1])
     if mask.numel() != flat_x.shape[0]:
         raise RuntimeError(f"RISD gate has {mask.numel()} entries for a forward of {flat_x.shape[0]} tokens")
@@ -146,28 +92,33 @@ def _gated_output(layer, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return out.reshape(base.shape)
 
 
+def _active_lora(layer) -> LayerLoRA | None:
+    lora = getattr(layer, "_selfspec_lora", None)
+    return lora if lora is not None and lora.gate.mask is not None else None
+
+
 def _apply_around(original, self, layer, x, bias=None, *args, **kwargs):
     base = original(self, layer, x, bias, *args, **kwargs)
-    if _STATE.mask is None or getattr(layer, "_selfspec_lora", None) is None:
-        return base
-    return _gated_output(layer, x, base)
+    lora = _active_lora(layer)
+    return base if lora is None else _gated_output(lora, x, base)
 
 
 def _apply_into_around(original, self, layer, x, output, bias=None, *args, **kwargs):
     result = original(self, layer, x, output, bias, *args, **kwargs)
-    if _STATE.mask is None or getattr(layer, "_selfspec_lora", None) is None:
+    lora = _active_lora(layer)
+    if lora is None:
         return result
     target = output if result is None else result
-    target.copy_(_gated_output(layer, x, target))
+    target.copy_(_gated_output(lora, x, target))
     return result
 
 
 def _embedding_around(original, self, layer, input_, *args, **kwargs):
     out = original(self, layer, input_, *args, **kwargs)
     upd: EmbeddingUpdate | None = getattr(layer, "_selfspec_embedding", None)
-    mask = _STATE.mask
-    if upd is None or mask is None:
+    if upd is None or upd.gate.mask is None:
         return out
+    mask = upd.gate.mask.reshape(-1)
     flat = input_.reshape(-1)
     if mask.numel() != flat.numel():
         raise RuntimeError(f"RISD gate has {mask.numel()} entries for {flat.numel()} input tokens")
@@ -218,6 +169,7 @@ def attach_to_sglang_model(model: torch.nn.Module, adapter_dir: str) -> GatedLoR
     if _tp_size() > 1:
         raise LoRAAttachError("RISD gated LoRA supports --tp-size 1 only")
     loras, embs, config = read_adapter(adapter_dir)
+    gate = set_model_gate(model, LoRAGate())
     modules = dict(model.named_modules())
     # group parts per SGLang layer
     groups: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]] = {}
@@ -242,7 +194,7 @@ def attach_to_sglang_model(model: torch.nn.Module, adapter_dir: str) -> GatedLoR
         if layer is None or not hasattr(layer, "weight"):
             raise LoRAAttachError(f"RISD adapter {adapter_dir}: target {name} is not a layer of the served model")
         a, b, s = abs_
-        layers[name] = _attach(layer, a, b * s, name)
+        layers[name] = _attach(layer, a, b * s, name, gate)
     for name, parts in groups.items():
         layer = modules.get(name)
         if layer is None:
@@ -270,7 +222,7 @@ def attach_to_sglang_model(model: torch.nn.Module, adapter_dir: str) -> GatedLoR
             lora_a[col:col + r] = a.float()
             lora_b[offs[idx]:offs[idx + 1], col:col + r] = b.float()
             col += r
-        layers[name] = _attach(layer, lora_a, lora_b, name)
+        layers[name] = _attach(layer, lora_a, lora_b, name, gate)
     embeddings: dict[str, EmbeddingUpdate] = {}
     indices = config.get("trainable_token_indices")
     for name, (kind, tensor) in embs.items():
@@ -290,18 +242,18 @@ def attach_to_sglang_model(model: torch.nn.Module, adapter_dir: str) -> GatedLoR
                 raise LoRAAttachError(f"RISD adapter {adapter_dir}: {name} table {tuple(tensor.shape)} does not fit "
                                       f"{tuple(table.shape)}: the adapter was trained on another base")
             table = tensor.to(table.device, table.dtype)
-        layer._selfspec_embedding = EmbeddingUpdate(table)
+        layer._selfspec_embedding = EmbeddingUpdate(table, gate)
         embeddings[name] = layer._selfspec_embedding
     if not layers and not embeddings:
         raise LoRAAttachError(f"RISD adapter {adapter_dir} changes nothing in the served model")
-    return GatedLoRAHandle(layers, embeddings, str(adapter_dir))
+    return GatedLoRAHandle(layers, embeddings, str(adapter_dir), gate)
 
 
-def _attach(layer, lora_a: torch.Tensor, lora_b: torch.Tensor, name: str) -> LayerLoRA:
+def _attach(layer, lora_a: torch.Tensor, lora_b: torch.Tensor, name: str, gate: LoRAGate) -> LayerLoRA:
     w = layer.weight
     if lora_a.shape[1] != w.shape[1] or lora_b.shape[0] != w.shape[0]:
         raise LoRAAttachError(f"RISD LoRA for {name}: A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit "
                               f"weight {tuple(w.shape)}: the adapter was trained on another base")
-    lora = LayerLoRA(lora_a.to(w.device, w.dtype).contiguous(), lora_b.to(w.device, w.dtype).contiguous())
+    lora = LayerLoRA(lora_a.to(w.device, w.dtype).contiguous(), lora_b.to(w.device, w.dtype).contiguous(), gate)
     layer._selfspec_lora = lora
     return lora

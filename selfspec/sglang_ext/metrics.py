@@ -22,12 +22,12 @@ import logging
 import os
 import time
 
+from selfspec.decoding import registry
 from selfspec.decoding.metrics import SequenceMetrics
 
 logger = logging.getLogger(__name__)
 
 LOG_EVERY = int(os.environ.get("SELFSPEC_LOG_EVERY", "40"))
-_SELFSPEC_ALGOS = ("ISD", "RISD", "JACOBI", "SJD")
 
 
 def request_metrics(completion_tokens: int, verify_ct: int) -> dict[str, float]:
@@ -46,7 +46,7 @@ def _after_spec_metrics(result, self, meta_info, recv_obj, i, *args, **kwargs):
         algo = (get_spec().speculative_algorithm or "").upper()
     except Exception:
         return result
-    if algo not in _SELFSPEC_ALGOS:
+    if registry.for_sglang_algorithm(algo) is None:
         return result
     completion = recv_obj.completion_tokens[i]
     verify_ct = recv_obj.spec_verify_ct[i] if getattr(recv_obj, "spec_verify_ct", None) else 0

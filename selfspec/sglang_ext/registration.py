@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from selfspec.decoding import registry
 from selfspec.sglang_ext import config as cfgmod
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def register_algorithms() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    for name in cfgmod.ALGORITHMS:
+    for name in registry.SGLANG_ALGORITHMS:
         if get_spec(name) is not None:
             continue
         SpeculativeAlgorithm.register(

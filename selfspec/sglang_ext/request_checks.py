@@ -10,7 +10,7 @@ manager's `_validate_one_request` refuses logprobs.
 
 from __future__ import annotations
 
-_SELFSPEC = ("ISD", "RISD", "JACOBI", "SJD")
+from selfspec.decoding import registry
 
 
 def _algorithm() -> str | None:
@@ -20,14 +20,16 @@ def _algorithm() -> str | None:
         algo = (get_spec().speculative_algorithm or "").upper()
     except Exception:
         return None
-    return algo if algo in _SELFSPEC else None
+    return algo if registry.for_sglang_algorithm(algo) is not None else None
 
 
 def check_sampling_params(sp, algorithm: str) -> None:
     greedy = sp.top_k == 1
-    if algorithm == "JACOBI" and not greedy:
-        raise ValueError("JACOBI decoding is greedy only (it reproduces greedy AR exactly): send temperature 0, "
-                         "or serve --speculative-algorithm SJD / ISD for sampling")
+    spec = registry.for_sglang_algorithm(algorithm)
+    if spec is not None and spec.greedy_only and not greedy:
+        sampled = ", ".join(s.sglang_algorithm for s in registry.SGLANG_ALGORITHMS.values() if not s.greedy_only)
+        raise ValueError(f"{algorithm} decoding is greedy only (it reproduces greedy AR exactly): send temperature 0, "
+                         f"or serve --speculative-algorithm {sampled} for sampling")
     unsupported = []
     if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty not in (None, 1.0):
         unsupported.append("frequency/presence/repetition penalties")

@@ -29,6 +29,7 @@ import hashlib
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,8 @@ from selfspec.decoding.ar import next_tokens as ar_next_tokens
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, collate
+from selfspec.engines.kernel_choice import verify_ops
+from selfspec.kernels.lora_gate import gated
 from selfspec.sglang_ext import config as cfgmod
 from selfspec.sglang_ext import lora as loramod
 from selfspec.sglang_ext import metrics as metricsmod
@@ -87,11 +90,6 @@ class RequestState:
     counter: int = 0
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
     req: Any = None
-
-    def take_seeds(self, width: int) -> tuple[int, int]:
-        start = self.counter
-        self.counter += width
-        return self.base_seed, start
 
 
 def pad_layout(layout: StepLayout, width: int, pad_token: int) -> StepLayout:
@@ -145,13 +143,14 @@ class SelfSpecWorker(BaseSpecWorker):
         self.pad_token = int(self.cfg.mask_token_id) if self.cfg.mask_token_id is not None else 0
         self.states: dict[str, RequestState] = {}
         self.stats = metricsmod.AggregateStats(self.cfg.algorithm)
-        self.lora_gate = None
-        if self.cfg.algorithm == "RISD":
-            self.lora_gate = loramod.attach_to_sglang_model(self.model_runner.model, self.cfg.adapter)
-            logger.info("[selfspec] RISD gated LoRA attached: %r", self.lora_gate)
+        self.verify_ops = verify_ops(self.device)
+        self.gate = None  # the gated LoRA's gate (modes that need an adapter)
+        if self.cfg.spec.needs_adapter:
+            handle = loramod.attach_to_sglang_model(self.model_runner.model, self.cfg.adapter)
+            logger.info("[selfspec] %s gated LoRA attached: %r", self.cfg.algorithm, handle)
+            self.gate = handle.gate
             if torch.device(self.device).type == "cuda":
-                loramod.set_graph_gate_buffer(torch.zeros(self._max_graph_tokens(), dtype=torch.bool,
-                                                          device=self.device))
+                self.gate.buffer = torch.zeros(self._max_graph_tokens(), dtype=torch.bool, device=self.device)
         logger.info("[selfspec] worker ready: %s", self.cfg.describe())
 
     # ------------------------------------------------------------------ SGLang plumbing
@@ -192,11 +191,11 @@ class SelfSpecWorker(BaseSpecWorker):
             seeds = seedmod.step_seeds(base, counter, width)
         for st in states:
             st.counter += width
-        return StepContext.from_params(params, seeds.to(self.device))
+        return StepContext.from_params(params, seeds.to(self.device), self.verify_ops)
 
     def _extend(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         bs = len(batch.reqs)
-        with loramod.gate_off(self.lora_gate):
+        with self._gate_off():
             result = self._target_worker.forward_batch_generation(batch, is_verify=True)
         logits = result.logits_output.next_token_logits  # [bs, V]: last prompt position
         states = []
@@ -258,7 +257,7 @@ class SelfSpecWorker(BaseSpecWorker):
             retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None, draft_token_num=W,
         )
         t1 = time.perf_counter()
-        with loramod.gate(self.lora_gate, step.gate):
+        with gated(self.gate, step.gate):
             result = self._target_worker.forward_batch_generation(batch, is_verify=True)
         logits = result.logits_output.next_token_logits.view(bs, W, -1)
         t2 = time.perf_counter()
@@ -299,6 +298,9 @@ class SelfSpecWorker(BaseSpecWorker):
         return _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, W)
 
     # ------------------------------------------------------------------ helpers
+    def _gate_off(self):
+        return self.gate.off() if self.gate is not None else nullcontext()
+
     def _max_graph_tokens(self) -> int:
         """Query tokens of the largest batch a verify forward (eager or captured) can have."""
         from sglang.srt.runtime_context import get_exec, get_schedule

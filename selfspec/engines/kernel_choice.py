@@ -1,0 +1,27 @@
+"""Which implementation of the verify rules an engine runs: chosen once, when the engine is
+built, from `SELFSPEC_KERNELS` (see `selfspec.kernels.dispatch`) and the engine's device.
+
+The decoding core never imports `selfspec.kernels`; it verifies with the `VerifyOps` it is
+handed in each step's context, so this module is where the two layers meet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.decoding.verify import (
+    VerifyOps,
+    greedy_verify_candidates_reference,
+    greedy_verify_reference,
+    speculative_verify_reference,
+)
+from selfspec.kernels.dispatch import resolve
+
+
+def verify_ops(device: str | torch.device) -> VerifyOps:
+    sample = torch.empty(0, device=device)
+    return VerifyOps(
+        greedy=resolve("greedy_verify", greedy_verify_reference, sample),
+        speculative=resolve("speculative_verify", speculative_verify_reference, sample),
+        greedy_candidates=resolve("greedy_verify_candidates", greedy_verify_candidates_reference, sample),
+    )

@@ -1,0 +1,80 @@
+"""The architecture's layering (docs: ARCHITECTURE.md "Layers"), checked on the source: which
+package may import which, and no import cycles among modules of one package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "selfspec"
+
+# package -> packages of selfspec it must never import (lazily or not)
+FORBIDDEN = {
+    "decoding": {"kernels", "engines", "sglang_ext", "training", "benchmarks"},
+    "kernels": {"decoding", "engines", "sglang_ext", "training", "benchmarks"},
+    "engines": {"sglang_ext", "training", "benchmarks"},
+    "sglang_ext": {"training", "benchmarks"},
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every `selfspec.*` module a file imports, at any depth of the file."""
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("selfspec")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("selfspec"):
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_files(package: str) -> list[Path]:
+    return sorted((PKG / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_only_layers_below_it(package):
+    bad = []
+    for f in package_files(package):
+        for name in imports_of(f):
+            top = name.split(".")[1] if name.count(".") >= 1 else ""
+            if top in FORBIDDEN[package]:
+                bad.append(f"{f.relative_to(PKG)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", ["decoding", "engines", "kernels", "sglang_ext", "training"])
+def test_no_import_cycles_within_a_package(package):
+    files = package_files(package)
+    modules = {module_name(f): f for f in files}
+    graph = {m: {n for n in imports_of(f) if n in modules and n != m} for m, f in modules.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n):] + [n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
