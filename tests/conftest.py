@@ -33,3 +33,61 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+# ------------------------------------------------------------------------------ training: a micro model
+MICRO_STEPS = 20
+
+
+def _stdlib_texts(names: list[str]) -> list[str]:
+    from selfspec.training.corpus import stdlib_root
+
+    return [(stdlib_root() / n).read_text() for n in names]
+
+
+@pytest.fixture(scope="module")
+def micro_dir(tmp_path_factory) -> Path:
+    """A micro Qwen3 (2 layers, width 64) with a 512-token BPE that has [MASK] and ChatML."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from selfspec.training.tokenizer import train_bpe_tokenizer
+
+    import torch
+
+    out = tmp_path_factory.mktemp("micro")
+    tok = train_bpe_tokenizer(_stdlib_texts(["textwrap.py", "shlex.py", "bisect.py"]), 512, out)
+    torch.manual_seed(0)
+    eos = tok.eos_token_id
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    Qwen3ForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "text.jsonl"
+    texts = _stdlib_texts(["textwrap.py", "shlex.py", "bisect.py", "fnmatch.py", "colorsys.py", "keyword.py"])
+    lines = []
+    for t in texts:  # many records, so both splits get some
+        chunks = [t[i : i + 1500] for i in range(0, len(t), 1500)]
+        lines += [json.dumps({"text": c}) for c in chunks]
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+@pytest.fixture(scope="module")
+def micro_config(micro_dir, data_file):
+    """`micro_config(out, **overrides)`: a fast IDLMConfig on the micro model and data."""
+    return lambda out, **kw: _micro_config(micro_dir, data_file, out, **kw)
+
+
+def _micro_config(micro_dir, data_file, out, **kw):
+    from selfspec.training.idlm import IDLMConfig
+
+    base = dict(base=str(micro_dir), out=str(out), stride=3, curriculum=[2, 3], data=[str(data_file)],
+                seq_len=48, batch_size=4, steps=MICRO_STEPS, lr=3e-3, warmup_ratio=0.1, eval_every=0,
+                eval_tokens=768, threads=2, progress_bar=False, checkpoint_dir=str(Path(out) / "ckpt"))
+    base.update(kw)
+    return IDLMConfig(**base)

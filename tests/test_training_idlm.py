@@ -13,54 +13,13 @@ import torch
 from selfspec.training import masks as M
 from selfspec.training.losses import IGNORE_INDEX, clean_loss_scale, idlm_loss, shifted_labels
 
-MICRO_STEPS = 20
 
 
-# ------------------------------------------------------------------------------ fixtures
-def _stdlib_texts(names: list[str]) -> list[str]:
-    from selfspec.training.corpus import stdlib_root
+# ------------------------------------------------------------------------------ helpers
+def _committed_metadata(name: str) -> dict:
+    from selfspec.models import ASSETS_DIR
 
-    return [(stdlib_root() / n).read_text() for n in names]
-
-
-@pytest.fixture(scope="module")
-def micro_dir(tmp_path_factory) -> Path:
-    """A micro Qwen3 (2 layers, width 64) with a 512-token BPE that has [MASK] and ChatML."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from selfspec.training.tokenizer import train_bpe_tokenizer
-
-    out = tmp_path_factory.mktemp("micro")
-    tok = train_bpe_tokenizer(_stdlib_texts(["textwrap.py", "shlex.py", "bisect.py"]), 512, out)
-    torch.manual_seed(0)
-    eos = tok.eos_token_id
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    Qwen3ForCausalLM(cfg).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "text.jsonl"
-    texts = _stdlib_texts(["textwrap.py", "shlex.py", "bisect.py", "fnmatch.py", "colorsys.py", "keyword.py"])
-    lines = []
-    for t in texts:  # many records, so both splits get some
-        chunks = [t[i : i + 1500] for i in range(0, len(t), 1500)]
-        lines += [json.dumps({"text": c}) for c in chunks]
-    out.write_text("\n".join(lines) + "\n")
-    return out
-
-
-def _config(micro_dir, data_file, out, **kw):
-    from selfspec.training.idlm import IDLMConfig
-
-    base = dict(base=str(micro_dir), out=str(out), stride=3, curriculum=[2, 3], data=[str(data_file)],
-                seq_len=48, batch_size=4, steps=MICRO_STEPS, lr=3e-3, warmup_ratio=0.1, eval_every=0,
-                eval_tokens=768, threads=2, progress_bar=False, checkpoint_dir=str(Path(out) / "ckpt"))
-    base.update(kw)
-    return IDLMConfig(**base)
+    return json.loads((ASSETS_DIR / name / "selfspec.json").read_text())
 
 
 def _load(micro_dir):
@@ -279,12 +238,13 @@ def test_gated_lora_changes_only_mask_positions(micro_dir):
 
 
 # ------------------------------------------------------------------------------ training runs
-def test_twenty_step_run_lowers_mask_loss(micro_dir, data_file, tmp_path):
+def test_twenty_step_run_lowers_mask_loss(micro_dir, data_file, micro_config, tmp_path):
     from selfspec.training.idlm import train_idlm
 
-    res = train_idlm(_config(micro_dir, data_file, tmp_path / "full", export=False))
+    cfg = micro_config(tmp_path / "full", export=False)
+    res = train_idlm(cfg)
     state = res["state"]
-    assert state["step"] == MICRO_STEPS
+    assert cfg.steps == 20 and state["step"] == cfg.steps
     before = state["base_eval"]["mask_loss"]
     after = state["history"][-1]["heldout"]["mask_loss"]
     assert after < before - 0.5, (before, after)
@@ -292,12 +252,12 @@ def test_twenty_step_run_lowers_mask_loss(micro_dir, data_file, tmp_path):
     assert strides[-1] == 3
 
 
-def test_lora_run_trains_only_the_adapter_and_keeps_the_ar_path(micro_dir, data_file, tmp_path):
+def test_lora_run_trains_only_the_adapter_and_keeps_the_ar_path(micro_dir, data_file, micro_config, tmp_path):
     from safetensors.torch import load_file
 
     from selfspec.training.idlm import train_idlm
 
-    cfg = _config(micro_dir, data_file, tmp_path / "lora", lora_rank=4, lr=1e-2, curriculum=[3], steps=12)
+    cfg = micro_config(tmp_path / "lora", lora_rank=4, lr=1e-2, curriculum=[3], steps=12)
     res = train_idlm(cfg)
     state = res["state"]
     before, after = state["base_eval"], state["history"][-1]["heldout"]
@@ -318,9 +278,10 @@ def test_lora_run_trains_only_the_adapter_and_keeps_the_ar_path(micro_dir, data_
     assert meta["mode"] == "risd" and meta["stride"] == 3 and meta["mask_token_id"] == 1
     assert meta["base_model"] == str(micro_dir)
     assert meta["lora"]["rank"] == 4 and set(meta["lora"]["targets"]) == set(cfg.lora_targets)
-    from selfspec.training.export import weights_sha256
+    from selfspec.decoding.metadata import weights_sha256
 
     assert meta["lora"]["base_sha256"] == weights_sha256(micro_dir)
+    assert sorted(meta) == sorted(_committed_metadata("tiny-idlm-lora"))  # key for key what the embedded adapter has
     adapter = load_file(out / "adapter_model.safetensors")
     assert adapter and all(t.dtype == torch.bfloat16 for t in adapter.values())
     # round trip: the engine's loader (base + adapter, gated) gives the trained model's logits
@@ -329,7 +290,7 @@ def test_lora_run_trains_only_the_adapter_and_keeps_the_ar_path(micro_dir, data_
     from selfspec.training.idlm import packed_forward
 
     md = load_metadata(out)
-    assert md.mode == "RISD" and md.stride == 3 and md.lora.rank == 4 and md.base_model_path == str(micro_dir)
+    assert md.mode == "risd" and md.stride == 3 and md.lora.rank == 4 and md.base_model_path == str(micro_dir)
     loaded = _load(micro_dir)
     gate = attach_gated_adapter(loaded, out)
     x = torch.randint(5, 500, (1, 12))
@@ -352,14 +313,16 @@ def test_lora_run_trains_only_the_adapter_and_keeps_the_ar_path(micro_dir, data_
     assert risd.token_ids == ar.token_ids
 
 
-def test_resume_equals_uninterrupted_run(micro_dir, data_file, tmp_path):
+def test_resume_equals_uninterrupted_run(micro_dir, data_file, micro_config, tmp_path):
     from selfspec.training.idlm import train_idlm
 
     kw = dict(steps=6, curriculum=[2, 3], eval_every=3, export=False, grad_accum=2)
-    whole = train_idlm(_config(micro_dir, data_file, tmp_path / "a", **kw))
-    first = train_idlm(_config(micro_dir, data_file, tmp_path / "b", stop_after_steps=3, **kw))
+    whole = train_idlm(micro_config(tmp_path / "a", **kw))
+    first = train_idlm(micro_config(tmp_path / "b", stop_after_steps=3, **kw))
     assert first.get("interrupted") and first["state"]["step"] == 3
-    resumed = train_idlm(_config(micro_dir, data_file, tmp_path / "b", resume="auto", **kw))
+    saved = json.loads((Path(first["checkpoint"]) / "train_state.json").read_text())
+    assert saved["objective"] == "idlm" and "stage" in saved and saved["config"]["grad_accum"] == 2
+    resumed = train_idlm(micro_config(tmp_path / "b", resume="auto", **kw))
     assert resumed["state"]["step"] == 6
     a = whole["model"].state_dict()
     b = resumed["model"].state_dict()
@@ -369,22 +332,54 @@ def test_resume_equals_uninterrupted_run(micro_dir, data_file, tmp_path):
     ha = [h["heldout"]["mask_loss"] for h in whole["state"]["history"]]
     hb = [h["heldout"]["mask_loss"] for h in resumed["state"]["history"]]
     assert ha == hb
+    # and so are the training losses logged beside them
+    assert [h["mask_ce"] for h in whole["state"]["history"]] == [h["mask_ce"] for h in resumed["state"]["history"]]
 
 
-def test_full_export_round_trip_and_export_command(micro_dir, data_file, tmp_path):
+def test_resume_refuses_a_checkpoint_of_another_objective(micro_dir, data_file, micro_config, tmp_path):
+    from selfspec.errors import UsageError
+    from selfspec.training.idlm import train_idlm
+
+    ckpt = tmp_path / "ckpt" / "step-0000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 3, "objective": "tiny-base", "config": {}}))
+    with pytest.raises(UsageError, match="a checkpoint of a tiny-base run, not of idlm"):
+        train_idlm(micro_config(tmp_path, resume=str(ckpt), export=False))
+
+
+def test_idlm_objective_drives_the_one_loop(micro_dir, data_file, micro_config, tmp_path):
+    """`train_idlm` is the shared loop over the I-DLM objective: the same run through
+    `loop.train(IDLMObjective(cfg))` gives the same weights and per-step losses."""
+    from selfspec.training.idlm import IDLMObjective, train_idlm
+    from selfspec.training.loop import lr_at, train
+    from selfspec.training.objective import objective_class
+
+    kw = dict(steps=3, curriculum=[3], eval_every=1, export=False)
+    a = train_idlm(micro_config(tmp_path / "a", **kw))
+    cfg = micro_config(tmp_path / "b", **kw)
+    b = train(IDLMObjective(cfg))
+    assert [h["mask_ce"] for h in a["state"]["history"]] == [h["mask_ce"] for h in b["state"]["history"]]
+    sa, sb = a["model"].state_dict(), b["model"].state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert [h["lr"] for h in b["state"]["history"]] == [lr_at(cfg, s, 3) for s in range(3)]
+    assert objective_class("idlm") is IDLMObjective  # what `selfspec export` rebuilds a checkpoint with
+
+
+def test_full_export_round_trip_and_export_command(micro_dir, data_file, micro_config, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from selfspec.training.export import run as export_run
     from selfspec.training.idlm import packed_forward, train_idlm
 
-    cfg = _config(micro_dir, data_file, tmp_path / "full", steps=4, curriculum=[3])
+    cfg = micro_config(tmp_path / "full", steps=4, curriculum=[3])
     res = train_idlm(cfg)
     out = Path(cfg.out)
     meta = json.loads((out / "selfspec.json").read_text())
-    assert meta["mode"] == "isd" and meta["stride"] == 3 and meta["lora"] is None and "base_model" not in meta
+    assert meta["mode"] == "isd" and meta["stride"] == 3 and "lora" not in meta and "base_model" not in meta
     assert meta["mask_token"] == "[MASK]" and meta["mask_token_id"] == 1
     assert math.isfinite(meta["metrics"]["heldout_ar_perplexity"])
     assert meta["recipe"]["config"]["curriculum"] == [3]
+    assert sorted(meta) == sorted(_committed_metadata("tiny-idlm"))  # key for key what the embedded model has
     loaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
     assert loaded.dtype == torch.bfloat16
     assert AutoTokenizer.from_pretrained(out).mask_token == "[MASK]"
@@ -406,12 +401,12 @@ def test_full_export_round_trip_and_export_command(micro_dir, data_file, tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_export_loads_in_the_hf_engine(micro_dir, data_file, tmp_path):
+def test_export_loads_in_the_hf_engine(micro_dir, data_file, micro_config, tmp_path):
     from selfspec.decoding.sampling import SamplingParams
     from selfspec.engines import hf
     from selfspec.training.idlm import train_idlm
 
-    cfg = _config(micro_dir, data_file, tmp_path / "full", steps=2, curriculum=[3])
+    cfg = micro_config(tmp_path / "full", steps=2, curriculum=[3])
     train_idlm(cfg)
     engine = hf.HFEngine.from_pretrained(cfg.out, dtype=torch.float32)
     prompt = engine.tokenizer("def f(x):\n", add_special_tokens=False)["input_ids"]
@@ -421,7 +416,9 @@ def test_export_loads_in_the_hf_engine(micro_dir, data_file, tmp_path):
 
 
 def test_curriculum_schedule_and_time_plan():
-    from selfspec.training.idlm import IDLMConfig, _replan, balance_for, lr_at, stage_index
+    from selfspec.training.idlm import IDLMConfig, balance_for, stage_index
+    from selfspec.training.loop import lr_at
+    from selfspec.training.loop import replan as _replan
 
     cfg = IDLMConfig(base="b", out="o", stride=4, curriculum=[2, 3, 4], stage_fractions=[1, 1, 2], steps=100,
                      lr=1.0, min_lr_ratio=0.1, warmup_ratio=0.1, time_budget_minutes=10)
@@ -440,10 +437,10 @@ def test_curriculum_schedule_and_time_plan():
         IDLMConfig(base="b", out="o", stride=4, curriculum=[2, 3])
 
 
-def test_on_policy_records_train_the_mask_half_only_and_mix_by_weight(micro_dir, data_file, tmp_path):
+def test_on_policy_records_train_the_mask_half_only_and_mix_by_weight(micro_dir, data_file, micro_config, tmp_path):
     from transformers import AutoTokenizer
 
-    from selfspec.training.data import LOSS_BOTH, LOSS_CLEAN, LOSS_MASK_ONLY, batch_generator, load_data
+    from selfspec.training.data import LOSS_BOTH, LOSS_CLEAN, LOSS_MASK, batch_generator, load_data
 
     tok = AutoTokenizer.from_pretrained(micro_dir)
     f = tmp_path / "selfgen.jsonl"
@@ -454,8 +451,8 @@ def test_on_policy_records_train_the_mask_half_only_and_mix_by_weight(micro_dir,
     ids, lm = data.train.sample(batch_generator(0, 0, 0, 0), 8, 16)
     assert ids.shape == lm.shape == (8, 17)
     assert bool((lm[:6] == LOSS_BOTH).all())  # text rows: both halves
-    assert ids[6, :7].tolist() == [5, 6, 7, 8, 9, 10, 11] and lm[6, :7].tolist() == [0, 0, 0] + [LOSS_MASK_ONLY] * 4
-    mask_labels = shifted_labels(ids, (lm & LOSS_MASK_ONLY) > 0)
+    assert ids[6, :7].tolist() == [5, 6, 7, 8, 9, 10, 11] and lm[6, :7].tolist() == [0, 0, 0] + [LOSS_MASK] * 4
+    mask_labels = shifted_labels(ids, (lm & LOSS_MASK) > 0)
     clean_labels = shifted_labels(ids, (lm & LOSS_CLEAN) > 0)
     assert mask_labels[6, :6].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 8, 9, 10, 11]
     assert bool((clean_labels[6:] == IGNORE_INDEX).all())
@@ -506,7 +503,7 @@ def test_ar_anchor_kl_is_the_kl_from_the_teacher_and_trains_only_the_student():
     assert student.grad is not None and teacher.grad is None
 
 
-def test_ar_anchor_keeps_the_clean_half_closer_to_the_base(micro_dir, data_file, tmp_path):
+def test_ar_anchor_keeps_the_clean_half_closer_to_the_base(micro_dir, data_file, micro_config, tmp_path):
     from selfspec.training.idlm import train_idlm
     from selfspec.training.losses import ar_anchor_kl
 
@@ -516,7 +513,7 @@ def test_ar_anchor_keeps_the_clean_half_closer_to_the_base(micro_dir, data_file,
     labels = torch.zeros(ids.shape, dtype=torch.long)
     kls = {}
     for weight in (0.0, 5.0):
-        res = train_idlm(_config(micro_dir, data_file, tmp_path / f"anchor-{weight}", export=False,
+        res = train_idlm(micro_config(tmp_path / f"anchor-{weight}", export=False,
                                  ar_anchor_weight=weight))
         model = res["model"].eval()
         with torch.no_grad():

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from sglang_fixtures import native_generate, server_args, start_server
-from test_training_idlm import _config, data_file, micro_dir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.server
 
@@ -18,12 +17,12 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def exports(micro_dir, data_file, tmp_path_factory):  # noqa: F811
+def exports(micro_config, tmp_path_factory):
     from selfspec.training.idlm import train_idlm
 
     root = tmp_path_factory.mktemp("exports")
-    full = _config(micro_dir, data_file, root / "isd", steps=6, curriculum=[3])
-    lora = _config(micro_dir, data_file, root / "risd", steps=6, curriculum=[3], lora_rank=4, lr=1e-2)
+    full = micro_config(root / "isd", steps=6, curriculum=[3])
+    lora = micro_config(root / "risd", steps=6, curriculum=[3], lora_rank=4, lr=1e-2)
     train_idlm(full)
     train_idlm(lora)
     return {"isd": Path(full.out), "risd": Path(lora.out)}
@@ -64,7 +63,7 @@ def test_isd_export_serves_in_sglang(exports, tmp_path_factory):
                        "ISD")
 
 
-def test_risd_adapter_export_serves_in_sglang(exports, micro_dir, tmp_path_factory):  # noqa: F811
+def test_risd_adapter_export_serves_in_sglang(exports, micro_dir, tmp_path_factory):
     ids = _ids(micro_dir)
     ref = _hf_greedy(micro_dir, ids)  # RISD is lossless: the base's greedy AR output
     extra = ["--speculative-algorithm", "RISD", "--selfspec-lora", str(exports["risd"]), "--selfspec-stride", "3"]

@@ -1,7 +1,8 @@
 """Training data for I-DLM conversion: the stdlib corpus, text / JSONL files, chat data.
 
-Every source becomes a list of documents (token ids + a per-token loss code: 0 no loss,
-LOSS_MASK_ONLY = 1 the MASK half only, LOSS_BOTH = 3 both halves):
+Every source becomes a list of documents (token ids + a per-token loss code, two bits:
+LOSS_MASK = 1 the MASK half learns the target, LOSS_CLEAN = 2 the clean half learns it;
+0 no loss, LOSS_MASK alone the MASK half only (on-policy rows), LOSS_BOTH = 3 both halves):
 - the default `stdlib`: the train split of the standard-library corpus of tiny-base (held-out
   split for evaluation), each file followed by EOS, exactly as tiny-base saw it;
 - text files (any extension; directories are walked): one document per file;
@@ -34,15 +35,15 @@ from selfspec.training.corpus import is_heldout, load_stdlib_split
 from selfspec.training.tokenizer import EOS_TOKEN
 
 
-LOSS_MASK_ONLY = 1  # bit 0: the MASK half learns this target
+LOSS_MASK = 1  # bit 0: the MASK half learns this target
 LOSS_CLEAN = 2  # bit 1: the clean half learns it
-LOSS_BOTH = LOSS_MASK_ONLY | LOSS_CLEAN
+LOSS_BOTH = LOSS_MASK | LOSS_CLEAN
 
 
 @dataclass
 class Document:
     ids: list[int]
-    loss: list[int]  # per token: 0, LOSS_MASK_ONLY or LOSS_BOTH
+    loss: list[int]  # per token: 0, LOSS_MASK (MASK half only) or LOSS_BOTH
 
 
 @dataclass
@@ -150,7 +151,7 @@ def _chat_doc(tokenizer, messages: list[dict]) -> Document:
 
 def _record_to_doc(tokenizer, rec: dict, eos_id: int) -> tuple[Document, bool]:
     if "ids" in rec:
-        code = LOSS_BOTH if rec.get("clean_loss", True) else LOSS_MASK_ONLY
+        code = LOSS_BOTH if rec.get("clean_loss", True) else LOSS_MASK
         prefix = [int(t) for t in rec.get("prefix_ids", [])]
         body = [int(t) for t in rec["ids"]]
         return Document(prefix + body, [0] * len(prefix) + [code] * len(body)), True
@@ -271,6 +272,6 @@ def _load_one(tokenizer, source: str) -> DataSplits:
         cut = max(1, len(keyed) // 20) if len(keyed) > 1 else 0
         docs = [d for _, d, _ in keyed]
         train, held = (docs[:-cut], docs[-cut:]) if cut else (docs, docs)
-    desc = {"source": str(source), "sha256": h.hexdigest(), "examples": chat,
+    desc = {"source": str(source), "sha256": h.hexdigest(), "chat": chat,
             "train_docs": len(train), "heldout_docs": len(held)}
     return DataSplits(Dataset(train, chat, pad_id), Dataset(held, chat, pad_id), desc)

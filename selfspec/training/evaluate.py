@@ -1,10 +1,10 @@
-"""Measurements of a converted model: held-out perplexity of the AR path, introspective
-acceptance rate alpha of ISD proposals (seed 002 §2), and TPF of ISD / RISD decoding on the
-HF engine.
+"""Measurements of a converted model: held-out perplexity of the AR path, the introspective
+acceptance rate alpha of its ISD proposals, and TPF of ISD / RISD decoding on the HF engine.
 
-alpha (seed 002 §2): for each token x_k the model generated from a distribution q_k, a separate
-forward with all tokens revealed gives the causal distribution p_k; alpha = mean_k
-min(1, p_k(x_k) / q_k(x_k)). For ISD proposals: the model generates by strides, as a diffusion
+alpha, the introspective acceptance rate, is the share of the model's own MASK proposals that
+its verify step accepts: for each token x_k the model generated from a distribution q_k, a
+separate forward with all tokens revealed gives the causal distribution p_k; alpha = mean_k
+min(1, p_k(x_k) / q_k(x_k)), the p/q acceptance probability of ISD's verify. For ISD proposals: the model generates by strides, as a diffusion
 model would with its own proposals and no verification: one forward over
 [context, MASK * (N-1)] gives the next token x_0 from the last clean row (an exact AR token,
 not counted) and the N-1 proposals x_1..x_{N-1} ~ q from the MASK rows; all N are appended; the
@@ -101,11 +101,12 @@ def introspective_acceptance(model, prompt_ids: list[list[int]], stride: int, ma
 def decode_tpf(engine, prompt_ids: list[list[int]], mode: str, max_new_tokens: int, *, stride: int | None = None,
                tau: float = 0.0, temperature: float = 0.0, seed: int = 0, batch_size: int = 16) -> dict:
     """TPF and outputs of one decoding configuration on the HF engine."""
+    from selfspec.decoding import registry
     from selfspec.decoding.metrics import aggregate
     from selfspec.decoding.sampling import SamplingParams
 
     cfg = None
-    if mode in ("isd", "risd"):
+    if registry.get(mode).needs_mask_token:  # the ISD family: stride and tau
         cfg = {"tau": tau}
         if stride is not None:
             cfg["stride"] = stride

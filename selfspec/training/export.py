@@ -1,12 +1,14 @@
-"""Export of I-DLM / RISD checkpoints that the HF engine and the SGLang plugin load.
+"""Export of trained models: what the HF engine and the SGLang plugin load.
 
-A full conversion (mode "isd") is a Hugging Face checkpoint: config.json, model.safetensors
-(bf16), tokenizer files, generation_config.json, plus `selfspec.json` and `provenance.json`.
-A gated-LoRA adapter (mode "risd") is adapter-only: PEFT's adapter_config.json and
-adapter_model.safetensors (bf16), the tokenizer, `selfspec.json` naming its base
-(`base_model`: an embedded model name or a path) and `provenance.json`.
+A full model (an I-DLM conversion, mode "isd", or a plain base model) is a Hugging Face
+checkpoint: config.json, model.safetensors (bf16), tokenizer files, generation_config.json,
+plus `selfspec.json` (when the objective gives metadata) and `provenance.json`. An adapter
+(mode "risd", the registry's `checkpoint_kind == "adapter"`) is adapter-only: PEFT's
+adapter_config.json and adapter_model.safetensors (bf16), the tokenizer, `selfspec.json` naming
+its base (`base_model`: an embedded model name or a path) and `provenance.json`.
 
-`selfspec.json` (format 1; read with `selfspec.decoding.metadata.load_metadata`):
+`selfspec.json` is `selfspec.decoding.metadata.SelfspecMetadata` (format 1), filled by the
+objective (`Objective.metadata`); for I-DLM:
     mode            "isd" | "risd"
     stride          N (the ISD stride the model was trained for; N-1 MASKs per step)
     mask_token      "[MASK]"
@@ -17,66 +19,66 @@ adapter_model.safetensors (bf16), the tokenizer, `selfspec.json` naming its base
     recipe          the training command and configuration
     metrics         held-out metrics at export time
 
-`base_sha256` is `weights_sha256(base_dir)`: sha256 over the bytes of the base's
-`*.safetensors` files, in sorted file-name order.
+`base_sha256` is `selfspec.decoding.metadata.weights_sha256(base_dir)`: sha256 over the bytes
+of the base's `*.safetensors` files, in sorted file-name order.
 
 `selfspec export --checkpoint RUN/checkpoints/step-XXXXXX --out DIR` exports a training
-checkpoint (see `selfspec.training.idlm`).
+checkpoint of any objective (the checkpoint names its objective and config).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 
-from selfspec.errors import UsageError
-from selfspec.decoding.metadata import METADATA_FILE, load_metadata, write_metadata  # noqa: F401 (the one reader/writer)
-
-FORMAT_VERSION = 1
-
-
-def weights_sha256(model_dir: str | Path) -> str:
-    h = hashlib.sha256()
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise UsageError(f"no *.safetensors in {model_dir}")
-    for f in files:
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-def build_metadata(*, mode: str, stride: int, mask_token: str, mask_token_id: int, lora: dict | None,
-                   base_model: str | None, converted_from: str | None, recipe: dict, metrics: dict) -> dict:
-    if mode not in ("isd", "risd"):
-        raise UsageError(f"mode must be isd or risd, got {mode}")
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "mode": mode,
-        "stride": int(stride),
-        "mask_token": mask_token,
-        "mask_token_id": int(mask_token_id),
-        "lora": lora,
-    }
-    if base_model is not None:
-        meta["base_model"] = base_model
-    if converted_from is not None:
-        meta["converted_from"] = converted_from
-    meta["recipe"] = recipe
-    meta["metrics"] = metrics
-    return meta
+from selfspec.decoding import registry
+from selfspec.decoding.metadata import SelfspecMetadata
+from selfspec.training.checkpoint import find_checkpoint, read_state
+from selfspec.training.objective import objective_class
 
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def export_full(model, tokenizer, out_dir: str | Path, metadata: dict, provenance: dict | None = None) -> Path:
+def export_trained(model, objective, state: dict, out: Path, train_seconds: float | None = None) -> Path:
+    """Export a trained model with the metadata and provenance its objective gives: adapter-only
+    for a mode whose checkpoints are adapters (RISD), a full checkpoint otherwise."""
+    metadata = objective.metadata(state)
+    provenance = objective.provenance(model, state, Path(out), train_seconds)
+    if metadata is not None and registry.get(metadata.mode).checkpoint_kind == "adapter":
+        return export_adapter(model, objective.tokenizer, out, metadata, metadata.base_model, provenance)
+    return export_full(model, objective.tokenizer, out, metadata, provenance)
+
+
+def export_from_checkpoint(checkpoint: Path, out: Path) -> Path:
+    """`selfspec export`: rebuild the model of a training checkpoint (of the objective it names)
+    and export it."""
+    from safetensors.torch import load_file
+
+    checkpoint = find_checkpoint(checkpoint)
+    saved = read_state(checkpoint)
+    cls = objective_class(saved.pop("objective", None))
+    objective = cls(cls.config_class(**saved.pop("config")))
+    model = objective.build_model(torch.device("cpu"))
+    weights = checkpoint / "accelerate" / "model.safetensors"
+    if weights.exists():
+        sd = load_file(weights)
+    else:
+        sd = torch.load(checkpoint / "accelerate" / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = {k for k in missing if "lm_head" in k or "embed_tokens" in k}
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"checkpoint does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+    return export_trained(model, objective, saved, Path(out))
+
+
+def export_full(model, tokenizer, out_dir: str | Path, metadata: SelfspecMetadata | None,
+                provenance: dict | None = None) -> Path:
     """Save a full (non-adapter) model as bf16 safetensors + tokenizer + metadata."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +95,7 @@ def export_full(model, tokenizer, out_dir: str | Path, metadata: dict, provenanc
     return out
 
 
-def export_adapter(peft_model, tokenizer, out_dir: str | Path, metadata: dict, base_model_ref: str,
+def export_adapter(peft_model, tokenizer, out_dir: str | Path, metadata: SelfspecMetadata, base_model_ref: str,
                    provenance: dict | None = None) -> Path:
     """Save only the LoRA adapter (PEFT format, bf16) + tokenizer + metadata naming the base."""
     from safetensors.torch import load_file, save_file
@@ -117,10 +119,11 @@ def export_adapter(peft_model, tokenizer, out_dir: str | Path, metadata: dict, b
     return out
 
 
-def _write_side_files(out: Path, tokenizer, metadata: dict, provenance: dict | None) -> None:
+def _write_side_files(out: Path, tokenizer, metadata: SelfspecMetadata | None, provenance: dict | None) -> None:
     """What every export carries beside its weights: tokenizer, selfspec.json, provenance."""
     tokenizer.save_pretrained(out)
-    write_metadata(out, metadata)
+    if metadata is not None:
+        metadata.write(out)
     if provenance is not None:
         write_json(out / "provenance.json", provenance)
     _readable(out)
@@ -146,8 +149,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfspec.training.idlm import export_from_checkpoint
-
     out = export_from_checkpoint(Path(args.checkpoint), Path(args.out))
     print(f"exported {out}")
     return 0

@@ -1,10 +1,10 @@
 """Per-token gated LoRA over a PEFT model, for training the RISD adapter.
 
 Inference loads an exported adapter with `selfspec.engines.lora.attach_gated_adapter`, which
-swaps each target nn.Linear for a `GatedLoRALinear` driven by a `LoRAGate`. Training needs
-PEFT's trainable modules (and PEFT's adapter format for export), so this module routes every
-PEFT LoRA `Linear` through the same op, `selfspec.kernels.gated_lora.gated_lora_linear`, driven
-by the same `LoRAGate`:
+swaps each target nn.Linear for a `GatedLoRALinear` driven by the model's `LoRAGate`
+(`selfspec.kernels.lora_gate`). Training needs PEFT's trainable modules (and PEFT's adapter
+format for export), so this module routes every PEFT LoRA `Linear` through the same op,
+`selfspec.kernels.gated_lora.gated_lora_linear`, driven by the same kind of gate:
 
     gate = gate_lora_layers(peft_model)
     with gate.active(mask_positions):      # [B, T] bool, True where the adapter is active
@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.engines.lora import LoRAGate
-from selfspec.kernels.gated_lora import gated_lora_linear
+from selfspec.kernels.dispatch import resolve_once
+from selfspec.kernels.gated_lora import gated_lora_linear_reference
+from selfspec.kernels.lora_gate import LoRAGate, model_gate, set_model_gate
 
 
 def _gated_forward(layer, gate: LoRAGate):
+    impl = resolve_once("gated_lora_linear", gated_lora_linear_reference)
+
     def forward(x: torch.Tensor, *args, **kwargs):
         mask = gate.mask
         if mask is None or layer.disable_adapters or layer.merged or not layer.active_adapters:
@@ -33,8 +36,8 @@ def _gated_forward(layer, gate: LoRAGate):
             return layer.base_layer(x, *args, **kwargs)
         base = layer.base_layer
         dtype = base.weight.dtype
-        return gated_lora_linear(x.to(dtype), base.weight, base.bias, layer.lora_A[name].weight.to(dtype),
-                                 layer.lora_B[name].weight.to(dtype), layer.scaling[name], mask.to(x.device))
+        return impl(x.to(dtype), base.weight, base.bias, layer.lora_A[name].weight.to(dtype),
+                    layer.lora_B[name].weight.to(dtype), layer.scaling[name], mask.to(x.device))
 
     return forward
 
@@ -54,12 +57,9 @@ def gate_lora_layers(model, gate: LoRAGate | None = None) -> LoRAGate:
             count += 1
     if count == 0:
         raise ValueError("no PEFT LoRA Linear layers found to gate")
-    model.selfspec_lora_gate = gate
-    return gate
+    return set_model_gate(model, gate)
 
 
 def lora_gate(model, mask: torch.Tensor):
     """Context manager: the gated LoRA layers of `model` use `mask` for the forwards inside."""
-    while not hasattr(model, "selfspec_lora_gate") and hasattr(model, "module"):  # DDP / FSDP wrappers
-        model = model.module
-    return model.selfspec_lora_gate.active(mask)
+    return model_gate(model).active(mask)

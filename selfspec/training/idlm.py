@@ -2,26 +2,25 @@
 
 `selfspec train idlm --base M --stride N [--curriculum 2,3,4] [--lora-rank R] [--data ...] --out DIR`
 
+The I-DLM objective of the training loop (`selfspec.training.loop`, which owns the schedule,
+time budget, accumulation, Accelerate, checkpoints / resume, evaluation cadence and export):
 - Input: each training row is a window x of L+1 clean tokens; the model sees the packed
   row [MASK * L | x_0..x_{L-1}] (2L tokens, one forward), position ids 0..L-1 twice, and the
   I-DLM attention mask of `selfspec.training.masks` (MASK blocks of N-1 see the clean tokens
   before their block and the earlier MASKs of their block; the clean half is plain causal).
+  FlexAttention block mask on CUDA, explicit SDPA mask on CPU.
 - Logit shift: the output at position p predicts x_{p+1} in both halves, so the clean half
   keeps the AR mapping (ISD's verify distribution p) and the MASK half learns the proposals q.
 - Loss (`selfspec.training.losses`): CE_mask + scale * CE_clean; scale fixed (0.2) while
-  N < `auto_balance_from` (default 4), auto-balanced from the N = 3 -> 4 expansion on.
-- Stride curriculum: stages N = 2, 3, 4 ... share the run by `stage_fractions`.
+  N < `auto_balance_from` (default 4), auto-balanced from the N = 3 -> 4 expansion on;
+  optional MASK self-distillation and AR anchor (KL from the frozen base) terms.
+- Stride curriculum: stages N = 2, 3, 4 ... share the (re-planned) run by `stage_fractions`.
 - Full fine-tune (default) or LoRA (`lora_rank > 0`): PEFT adapters on `lora_targets`, base
   frozen, the LoRA residual gated per token to the MASK half (`selfspec.training.gating`,
   through the kernels' gated op), which is what RISD serves.
-- Accelerate drives the loop (CPU, one GPU, or `accelerate launch` with DDP / FSDP /
-  DeepSpeed); gradient accumulation; bf16 autocast on GPU; FlexAttention block mask on CUDA,
-  explicit SDPA mask on CPU; tqdm; periodic held-out evaluation; checkpoints every
-  `save_every` steps, `--resume` continues (bit-identically on CPU for a step-budgeted run).
-- Time budget: with `time_budget_minutes`, the number of steps is re-planned from the measured
-  step time (at step 10 and at every evaluation) so the cosine schedule and the curriculum
-  finish inside the budget even on a busy machine. The plan is part of the checkpoint.
-- Export (end of training, or `selfspec export`): `selfspec.training.export`.
+- Held-out evaluation: AR perplexity, MASK CE, per-offset agreement with the AR path.
+- Export: a full checkpoint (mode "isd") or the adapter alone (mode "risd"), with the
+  metadata `IDLMObjective.metadata` gives (`selfspec.training.export`).
 """
 
 from __future__ import annotations
@@ -29,76 +28,61 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
+import functools
 import math
-import os
 import platform
-import shutil
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from selfspec.decoding.metadata import LoraMetadata, SelfspecMetadata, weights_sha256
 from selfspec.errors import UsageError
+from selfspec.training import config as C
 from selfspec.training import masks as M
-from selfspec.training.data import LOSS_CLEAN, LOSS_MASK_ONLY, batch_generator, load_data
-from selfspec.training.export import (
-    build_metadata,
-    export_adapter,
-    export_full,
-    weights_sha256,
-)
+from selfspec.training.config import LoopConfig, option
+from selfspec.training.data import LOSS_CLEAN, LOSS_MASK, batch_generator, load_data
+from selfspec.training.loop import train
+from selfspec.training.objective import Objective
 from selfspec.training.losses import IGNORE_INDEX, idlm_loss, shifted_labels
 from selfspec.training.tokenizer import MASK_TOKEN
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@dataclass
-class IDLMConfig:
-    base: str
-    out: str
-    stride: int = 4
-    curriculum: list[int] | None = None  # strides in order; default [stride]
-    stage_fractions: list[float] | None = None  # share of the steps per stage; default equal
-    lora_rank: int = 0  # 0: full fine-tune
-    lora_alpha: float | None = None  # default 2 * rank
-    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
-    data: list[str] | None = None  # None: the stdlib corpus; several sources are mixed by data_weights
-    data_weights: list[float] | None = None  # share of each micro-batch's rows per source (default equal)
-    seq_len: int = 256
-    batch_size: int = 8  # per process, per micro-batch
-    grad_accum: int = 1
-    steps: int = 1000
-    time_budget_minutes: float | None = None
-    lr: float = 1e-5
-    min_lr_ratio: float = 0.1
-    warmup_ratio: float = 0.03
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ce_scale: float = 0.2
-    auto_balance_from: int = 4  # stages with N >= this use the auto-balanced clean loss
-    mask_distill_weight: float = 0.0  # optional extra term (losses.self_distill_ce); 0 = the seed's loss
-    ar_anchor_weight: float = 0.0  # optional extra term (losses.ar_anchor_kl), full fine-tune only; 0 = the seed's loss
-    eval_every: int = 100
-    eval_tokens: int = 16384
-    eval_batch_size: int = 8
-    save_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 1
-    checkpoint_dir: str | None = None  # default OUT/checkpoints
-    resume: str | None = None  # "auto" (latest in checkpoint_dir) or a checkpoint path
-    seed: int = 0
-    threads: int | None = None
-    mixed_precision: str = "auto"  # auto | no | bf16 | fp16
-    attn_implementation: str = "auto"  # auto (flex on CUDA, sdpa on CPU) | sdpa | flex_attention | eager
-    name: str | None = None  # model name recorded in provenance
-    base_ref: str | None = None  # how an adapter names its base (default: --base as given)
-    export: bool = True
-    progress_bar: bool = True
-    stop_after_steps: int | None = None  # leave after this many steps in this process, checkpointed (preemption)
+@dataclass(kw_only=True)
+class IDLMConfig(LoopConfig):
+    """I-DLM"""
+
+    base: str = option(help="base causal LM: embedded name or HF checkpoint directory (Qwen3, Qwen2, Llama, ...)")
+    stride: int = option(4, help="final ISD stride N (N-1 MASKs per block)")
+    curriculum: list[int] | None = option(
+        None, help="strides in order, e.g. 2,3,4 (must end at --stride; default: --stride only)")
+    stage_fractions: list[float] | None = option(
+        None, help="share of the steps per curriculum stage, e.g. 0.25,0.25,0.5 (default equal)")
+    lora_rank: int = option(0, help="> 0: train a gated LoRA (RISD) on a frozen base")
+    lora_alpha: float | None = option(None, help="LoRA alpha (default 2 * rank)")
+    lora_targets: list[str] = option(default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+                                     help="comma-separated module names (default: all attention and MLP projections)")
+    data: list[str] | None = option(
+        None, nargs="+", help="'stdlib' (default) or text / JSONL files or directories (JSONL: text, prompt+response, "
+                              "or messages records; chat records train on the responses only)")
+    data_weights: list[float] | None = option(
+        None, help="with several --data sources: share of each micro-batch per source, e.g. 0.5,0.5")
+    seq_len: int = option(256, help="clean tokens per row (the forward sees 2x)")
+    ce_scale: float = option(0.2, help="fixed clean-CE scale (default 0.2)")
+    auto_balance_from: int = option(4, help="stages with stride >= this auto-balance the clean CE (default 4)")
+    mask_distill_weight: float = option(
+        0.0, help="optional extra loss: soft CE of the MASK distribution towards the detached clean-half "
+                  "distribution at the same position (default 0: CE_mask + scale * CE_clean alone)")
+    ar_anchor_weight: float = option(
+        0.0, help="optional extra loss (full fine-tune): KL from the frozen base to the clean half, "
+                  "holding the AR path to the base (default 0: CE_mask + scale * CE_clean alone)")
+    eval_batch_size: int = option(8, help="rows per held-out evaluation batch")
+    attn_implementation: str = option("auto", choices=["auto", "sdpa", "flex_attention", "eager"],
+                                      help="auto: flex_attention on CUDA, sdpa on CPU")
+    base_ref: str | None = option(None, help="how the adapter's metadata names its base (default: --base as given)")
 
     def check_data_paths(self) -> None:
         """Fail before the model loads, not minutes later. (Not in __post_init__: a recipe names
@@ -129,7 +113,7 @@ class IDLMConfig:
         return self.lora_rank > 0
 
 
-# ------------------------------------------------------------------------------ schedule
+# ------------------------------------------------------------------------------ stride curriculum
 def stage_index(cfg: IDLMConfig, step: int, planned: int) -> int:
     progress = step / max(1, planned)
     acc = 0.0
@@ -138,15 +122,6 @@ def stage_index(cfg: IDLMConfig, step: int, planned: int) -> int:
         if progress < acc - 1e-12:
             return i
     return len(cfg.stage_fractions) - 1
-
-
-def lr_at(cfg: IDLMConfig, step: int, planned: int) -> float:
-    warmup = max(1, round(cfg.warmup_ratio * planned))
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, planned - warmup))
-    cosine = 0.5 * (1 + math.cos(math.pi * progress))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
 def balance_for(cfg: IDLMConfig, stride: int) -> str:
@@ -303,52 +278,7 @@ def evaluate(model, dataset, cfg: IDLMConfig, stride: int, mask_token_id: int, a
     }
 
 
-# ------------------------------------------------------------------------------ checkpoints
-def _checkpoint_root(cfg: IDLMConfig) -> Path:
-    return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else Path(cfg.out) / "checkpoints"
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step-*") if (p / "train_state.json").exists())
-    return done[-1] if done else None
-
-
-def _save_checkpoint(accelerator, cfg: IDLMConfig, state: dict) -> Path:
-    root = _checkpoint_root(cfg)
-    path = root / f"step-{state['step']:07d}"
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(path / "accelerate"))
-    if accelerator.is_main_process:
-        (path / "train_state.json").write_text(json.dumps({**state, "config": asdict(cfg)}, indent=2) + "\n")
-        old = sorted(p for p in root.glob("step-*") if p != path)
-        for p in old[: max(0, len(old) - (cfg.keep_checkpoints - 1))]:
-            shutil.rmtree(p, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return path
-
-
-# ------------------------------------------------------------------------------ training
-def _mixed_precision(cfg: IDLMConfig) -> str:
-    if cfg.mixed_precision != "auto":
-        return cfg.mixed_precision
-    env = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if env:
-        return env
-    return "bf16" if torch.cuda.is_available() else "no"
-
-
-def _replan(cfg: IDLMConfig, state: dict, loop_seconds: float, loop_steps: int, reserve_s: float) -> None:
-    """Shrink or grow the planned steps so that the run ends inside its time budget."""
-    if not cfg.time_budget_minutes or loop_steps <= 0:
-        return
-    per_step = loop_seconds / loop_steps
-    left = cfg.time_budget_minutes * 60 - state["elapsed_s"] - reserve_s
-    planned = state["step"] + max(1, int(left / per_step))
-    state["planned_steps"] = int(max(state["step"] + 1, min(cfg.steps, planned)))
-
-
+# ------------------------------------------------------------------------------ objective
 @torch.no_grad()
 def anchor_teacher_logits(teacher: torch.nn.Module, ids: torch.Tensor, clean_labels: torch.Tensor) -> torch.Tensor:
     """The frozen base's logits [B, L, V] (fp32) for the AR anchor. The anchor reads only the
@@ -363,315 +293,151 @@ def anchor_teacher_logits(teacher: torch.nn.Module, ids: torch.Tensor, clean_lab
     return out
 
 
-def train_idlm(cfg: IDLMConfig) -> dict:
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
+class IDLMObjective(Objective):
+    """I-DLM conversion (full fine-tune or gated LoRA) as an objective of the training loop."""
 
-    started = time.time()
-    cfg.check_data_paths()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=_mixed_precision(cfg))
-    set_seed(cfg.seed)
-    device = accelerator.device
-    attn_impl = resolve_attn_implementation(cfg.attn_implementation, device)
-    model, tokenizer, base_path, mask_info = build_model(cfg, attn_impl)
-    mask_id = mask_info["mask_token_id"]
-    data = load_data(tokenizer, cfg.data, cfg.data_weights)
-    data_description = data.description
-    accelerator.print(f"data: {data.train.num_tokens:,} train tokens, {data.heldout.num_tokens:,} held-out tokens; "
-                      f"mask token {mask_info['mask_token']} = {mask_id}; attention {attn_impl}")
+    name = "idlm"
+    config_class = IDLMConfig
+    cfg: IDLMConfig
 
-    teacher = None
-    if cfg.ar_anchor_weight > 0 and not cfg.is_lora:  # the model as converted, before any step
-        teacher = copy.deepcopy(model).eval().requires_grad_(False).to(device)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    n_trainable = sum(p.numel() for _, p in params)
-    n_total = sum(p.numel() for p in model.parameters())
-    accelerator.print(f"model: {n_total / 1e6:.2f}M parameters, {n_trainable / 1e6:.3f}M trainable"
-                      f" ({'LoRA r=%d' % cfg.lora_rank if cfg.is_lora else 'full fine-tune'})")
-    decay = [p for n, p in params if p.ndim >= 2]
-    no_decay = [p for n, p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    def __init__(self, cfg: IDLMConfig):
+        super().__init__(cfg)
+        self.data = None
+        self.teacher = None  # the frozen base of the AR anchor
 
-    state = {"step": 0, "planned_steps": cfg.steps, "stage": 0, "elapsed_s": 0.0, "history": [], "base_eval": None}
-    resume_from = None
-    if cfg.resume:
-        resume_from = latest_checkpoint(_checkpoint_root(cfg)) if cfg.resume == "auto" else Path(cfg.resume)
-        if cfg.resume != "auto" and not (resume_from / "train_state.json").is_file():
-            raise UsageError(f"--resume {cfg.resume}: not a training checkpoint (no train_state.json); pass a "
-                             f"step-* directory under {_checkpoint_root(cfg)} or --resume alone for the latest")
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from / "accelerate"))
-        saved = json.loads((resume_from / "train_state.json").read_text())
-        saved.pop("config", None)
-        state.update(saved)
-        accelerator.print(f"resumed from {resume_from} at step {state['step']} of {state['planned_steps']}")
+    def build_model(self, device: torch.device) -> torch.nn.Module:
+        self.device = device
+        self.attn_impl = resolve_attn_implementation(self.cfg.attn_implementation, device)
+        model, self.tokenizer, self.base_path, self.mask_info = build_model(self.cfg, self.attn_impl)
+        self.mask_id = self.mask_info["mask_token_id"]
+        return model
 
-    state["data"] = data_description
-    final_stride = cfg.stride
-    if state["base_eval"] is None and accelerator.is_main_process:
-        state["base_eval"] = evaluate(model, data.heldout, cfg, final_stride, mask_id, attn_impl, device)
-        b = state["base_eval"]
-        accelerator.print(f"before training: held-out AR loss {b['ar_loss']:.4f} (ppl {b['ar_perplexity']:.2f}), "
-                          f"MASK loss {b['mask_loss']:.3f} at N={final_stride}")
+    def setup_training(self, model: torch.nn.Module, log) -> None:
+        cfg = self.cfg
+        self.data = load_data(self.tokenizer, cfg.data, cfg.data_weights)
+        self.data_description = self.data.description
+        log(f"data: {self.data.train.num_tokens:,} train tokens, {self.data.heldout.num_tokens:,} held-out tokens; "
+            f"mask token {self.mask_info['mask_token']} = {self.mask_id}; attention {self.attn_impl}; "
+            + (f"LoRA r={cfg.lora_rank}" if cfg.is_lora else "full fine-tune"))
+        if cfg.ar_anchor_weight > 0 and not cfg.is_lora:  # the model as converted, before any step
+            self.teacher = copy.deepcopy(model).eval().requires_grad_(False).to(self.device)
 
-    rank = accelerator.process_index
-    model.train()
-    loop_started = time.time()
-    loop_steps = 0
-    last_log = {}
-    bar = tqdm(total=state["planned_steps"], initial=state["step"], desc=cfg.name or "idlm", unit="step",
-               disable=not (cfg.progress_bar and accelerator.is_local_main_process), dynamic_ncols=True)
-    segment_start = time.time()
-    while state["step"] < state["planned_steps"]:
-        step = state["step"]
+    def stage(self, step: int, planned_steps: int, state: dict) -> dict:
         # a re-plan moves the stage boundaries; the curriculum never goes back to a shorter stride
-        si = max(state.get("stage", 0), stage_index(cfg, step, state["planned_steps"]))
+        si = max(state.get("stage", 0), stage_index(self.cfg, step, planned_steps))
         state["stage"] = si
-        stride = cfg.curriculum[si]
-        balance = balance_for(cfg, stride)
-        lr = lr_at(cfg, step, state["planned_steps"])
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        stats = {"mask_ce": 0.0, "clean_ce": 0.0, "scale": 0.0}
-        for micro in range(cfg.grad_accum):
-            ids, lm = data.train.sample(batch_generator(cfg.seed, step, micro, rank), cfg.batch_size, cfg.seq_len)
-            ids, lm = ids.to(device), lm.to(device)
-            labels = shifted_labels(ids, (lm & LOSS_MASK_ONLY) > 0)
-            clean_labels = shifted_labels(ids, (lm & LOSS_CLEAN) > 0)
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    logits = packed_forward(model, ids[:, :-1], stride, mask_id, attn_impl, gated=cfg.is_lora)
-                    teacher_logits = None if teacher is None else anchor_teacher_logits(teacher, ids, clean_labels)
-                out = idlm_loss(logits, labels, balance, cfg.ce_scale, train_clean=not cfg.is_lora,
-                                distill_weight=cfg.mask_distill_weight, clean_labels=clean_labels,
-                                teacher_logits=teacher_logits, anchor_weight=cfg.ar_anchor_weight)
-                accelerator.backward(out.total)
-                if accelerator.sync_gradients and cfg.grad_clip:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            stats["mask_ce"] += float(out.mask_ce) / cfg.grad_accum
-            stats["clean_ce"] += float(out.clean_ce) / cfg.grad_accum
-            stats["scale"] += out.scale / cfg.grad_accum
-            if out.anchor is not None:
-                stats["anchor_kl"] = stats.get("anchor_kl", 0.0) + float(out.anchor) / cfg.grad_accum
-        state["step"] = step + 1
-        loop_steps += 1
-        now = time.time()
-        state["elapsed_s"] += now - segment_start
-        segment_start = now
-        last_log = {"step": state["step"], "stride": stride, "lr": lr, "balance": balance, **stats}
-        bar.update(1)
-        bar.set_postfix(N=stride, mask=f"{stats['mask_ce']:.3f}", clean=f"{stats['clean_ce']:.3f}",
-                        scale=f"{stats['scale']:.2f}", lr=f"{lr:.1e}")
+        stride = self.cfg.curriculum[si]
+        return {"stride": stride, "balance": balance_for(self.cfg, stride)}
 
-        if loop_steps == 10:
-            _replan(cfg, state, time.time() - loop_started, loop_steps, reserve_s=_reserve(cfg))
-            bar.total = state["planned_steps"]
-        done = state["step"] >= state["planned_steps"]
-        if (cfg.eval_every and state["step"] % cfg.eval_every == 0) or done:
-            ev = evaluate(model, data.heldout, cfg, final_stride, mask_id, attn_impl, device) \
-                if accelerator.is_main_process else {}
-            state["history"].append({**last_log, "elapsed_s": round(state["elapsed_s"], 1), "heldout": ev})
-            if ev:
-                tqdm.write(f"step {state['step']}/{state['planned_steps']} N={stride}: train mask {stats['mask_ce']:.3f} "
-                           f"clean {stats['clean_ce']:.3f} | held-out AR {ev['ar_loss']:.4f} (ppl {ev['ar_perplexity']:.2f}) "
-                           f"MASK {ev['mask_loss']:.3f} agree@N={final_stride} "
-                           + " ".join(f"{a:.2f}" for a in ev["greedy_agreement_by_offset"]))
-            now = time.time()
-            state["elapsed_s"] += now - segment_start
-            segment_start = now
-            if not done:
-                _replan(cfg, state, time.time() - loop_started, loop_steps, reserve_s=_reserve(cfg))
-                bar.total = state["planned_steps"]
-        if cfg.save_every and state["step"] % cfg.save_every == 0 and state["step"] < state["planned_steps"]:
-            _save_checkpoint(accelerator, cfg, state)
-        if cfg.stop_after_steps and loop_steps >= cfg.stop_after_steps and state["step"] < state["planned_steps"]:
-            bar.close()
-            ckpt = _save_checkpoint(accelerator, cfg, state)
-            accelerator.print(f"stopping after {loop_steps} steps as asked; resume from {ckpt}")
-            return {"checkpoint": str(ckpt), "state": state, "model": accelerator.unwrap_model(model),
-                    "tokenizer": tokenizer, "interrupted": True}
-    bar.close()
-    state["elapsed_s"] += time.time() - segment_start
-    ckpt = _save_checkpoint(accelerator, cfg, state)
-    result = {"checkpoint": str(ckpt), "state": state, "model": accelerator.unwrap_model(model), "tokenizer": tokenizer}
-    if cfg.export and accelerator.is_main_process:
-        result["export"] = str(export_model(accelerator.unwrap_model(model), tokenizer, cfg, state, base_path,
-                                            mask_info, Path(cfg.out), train_seconds=time.time() - started))
-    accelerator.wait_for_everyone()
-    return result
+    def batch(self, step: int, micro: int, rank: int):
+        """(ids [B, L+1], MASK-half labels [B, L], clean-half labels [B, L])."""
+        cfg = self.cfg
+        ids, lm = self.data.train.sample(batch_generator(cfg.seed, step, micro, rank), cfg.batch_size, cfg.seq_len)
+        ids, lm = ids.to(self.device), lm.to(self.device)
+        return ids, shifted_labels(ids, (lm & LOSS_MASK) > 0), shifted_labels(ids, (lm & LOSS_CLEAN) > 0)
 
+    def forward(self, model: torch.nn.Module, batch, stage: dict):
+        ids, _, clean_labels = batch
+        logits = packed_forward(model, ids[:, :-1], stage["stride"], self.mask_id, self.attn_impl,
+                                gated=self.cfg.is_lora)
+        teacher_logits = None if self.teacher is None else anchor_teacher_logits(self.teacher, ids, clean_labels)
+        return logits, teacher_logits
 
-def _reserve(cfg: IDLMConfig) -> float:
-    """Seconds kept back from the time budget for the final evaluation and export."""
-    return 30.0 + cfg.eval_tokens / 1000.0
+    def loss(self, outputs, batch, stage: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg = self.cfg
+        (logits, teacher_logits), (_, labels, clean_labels) = outputs, batch
+        out = idlm_loss(logits, labels, stage["balance"], cfg.ce_scale, train_clean=not cfg.is_lora,
+                        distill_weight=cfg.mask_distill_weight, clean_labels=clean_labels,
+                        teacher_logits=teacher_logits, anchor_weight=cfg.ar_anchor_weight)
+        stats = {"mask_ce": float(out.mask_ce), "clean_ce": float(out.clean_ce), "scale": out.scale}
+        if out.anchor is not None:
+            stats["anchor_kl"] = float(out.anchor)
+        return out.total, stats
 
+    def evaluate(self, model: torch.nn.Module) -> dict:
+        return evaluate(model, self.data.heldout, self.cfg, self.cfg.stride, self.mask_id, self.attn_impl, self.device)
 
-# ------------------------------------------------------------------------------ export
-def _command_line() -> str:
-    return "selfspec " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name in ("selfspec", "cli.py") \
-        else " ".join(sys.argv)
+    def describe_eval(self, ev: dict) -> str:
+        return (f"AR loss {ev['ar_loss']:.4f} (ppl {ev['ar_perplexity']:.2f}) MASK loss {ev['mask_loss']:.3f} "
+                f"agree@N={ev['stride']} " + " ".join(f"{a:.2f}" for a in ev["greedy_agreement_by_offset"]))
 
+    def postfix(self, stage: dict, stats: dict[str, float]) -> dict:
+        return {"N": stage["stride"], "mask": f"{stats['mask_ce']:.3f}", "clean": f"{stats['clean_ce']:.3f}",
+                "scale": f"{stats['scale']:.2f}"}
 
-def export_model(model, tokenizer, cfg: IDLMConfig, state: dict, base_path: Path, mask_info: dict, out: Path,
-                 train_seconds: float | None = None) -> Path:
-    final = state["history"][-1]["heldout"] if state["history"] else {}
-    base_eval = state.get("base_eval") or {}
-    metrics = {
-        "heldout_ar_loss": final.get("ar_loss"),
-        "heldout_ar_perplexity": final.get("ar_perplexity"),
-        "base_heldout_ar_perplexity": base_eval.get("ar_perplexity"),
-        "heldout_mask_loss": final.get("mask_loss"),
-        "mask_loss_by_offset": final.get("mask_loss_by_offset"),
-        "greedy_agreement_by_offset": final.get("greedy_agreement_by_offset"),
-        "eval_tokens": final.get("eval_tokens"),
-        "steps": state["step"],
-    }
-    recipe = {"command": _command_line(), "config": asdict(cfg)}
-    base_ref = cfg.base_ref or (cfg.base if not Path(cfg.base).exists() else str(Path(cfg.base).resolve()))
-    provenance = {
-        "model": cfg.name or out.name,
-        "command": recipe["command"],
-        "config": asdict(cfg),
-        "seed": cfg.seed,
-        "base": {"ref": base_ref, "path": str(base_path), "sha256": weights_sha256(base_path)},
-        "data": state.get("data"),
-        "mask_token": mask_info,
-        "steps": state["step"],
-        "tokens_seen": state["step"] * cfg.batch_size * cfg.grad_accum * cfg.seq_len,
-        "train_seconds": round(state["elapsed_s"], 1),
-        "total_seconds": round(train_seconds, 1) if train_seconds else None,
-        "history": state["history"],
-        "base_eval": base_eval,
-        "metrics": metrics,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "saved_dtype": "bfloat16",
-    }
-    if cfg.is_lora:
-        lora = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets),
-                "base_sha256": provenance["base"]["sha256"]}
-        meta = build_metadata(mode="risd", stride=cfg.stride, mask_token=mask_info["mask_token"],
-                              mask_token_id=mask_info["mask_token_id"], lora=lora, base_model=base_ref,
-                              converted_from=None, recipe=recipe, metrics=metrics)
-        return export_adapter(model, tokenizer, out, meta, base_ref, provenance)
-    meta = build_metadata(mode="isd", stride=cfg.stride, mask_token=mask_info["mask_token"],
-                          mask_token_id=mask_info["mask_token_id"], lora=None, base_model=None,
-                          converted_from=base_ref, recipe=recipe, metrics=metrics)
-    return export_full(model, tokenizer, out, meta, provenance)
+    # -------------------------------------------------------------------------- export
+    @property
+    def base_ref(self) -> str:
+        cfg = self.cfg
+        return cfg.base_ref or (cfg.base if not Path(cfg.base).exists() else str(Path(cfg.base).resolve()))
+
+    @functools.cached_property
+    def base_sha256(self) -> str:
+        try:
+            return weights_sha256(self.base_path)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+
+    def _metrics(self, state: dict) -> dict:
+        final = state["history"][-1]["heldout"] if state["history"] else {}
+        base_eval = state.get("base_eval") or {}
+        return {
+            "heldout_ar_loss": final.get("ar_loss"),
+            "heldout_ar_perplexity": final.get("ar_perplexity"),
+            "base_heldout_ar_perplexity": base_eval.get("ar_perplexity"),
+            "heldout_mask_loss": final.get("mask_loss"),
+            "mask_loss_by_offset": final.get("mask_loss_by_offset"),
+            "greedy_agreement_by_offset": final.get("greedy_agreement_by_offset"),
+            "eval_tokens": final.get("eval_tokens"),
+            "steps": state["step"],
+        }
+
+    def metadata(self, state: dict) -> SelfspecMetadata:
+        cfg = self.cfg
+        common = dict(stride=cfg.stride, mask_token=self.mask_info["mask_token"],
+                      mask_token_id=self.mask_info["mask_token_id"],
+                      recipe={"command": C.command_line(), "config": asdict(cfg)}, metrics=self._metrics(state))
+        if cfg.is_lora:
+            lora = LoraMetadata(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=list(cfg.lora_targets),
+                                base_sha256=self.base_sha256)
+            return SelfspecMetadata(mode="risd", lora=lora, base_model=self.base_ref, **common)
+        return SelfspecMetadata(mode="isd", converted_from=self.base_ref, **common)
+
+    def provenance(self, model, state: dict, out: Path, train_seconds: float | None) -> dict:
+        cfg = self.cfg
+        return {
+            "model": cfg.name or out.name,
+            "command": C.command_line(),
+            "config": asdict(cfg),
+            "seed": cfg.seed,
+            "base": {"ref": self.base_ref, "path": str(self.base_path), "sha256": self.base_sha256},
+            "data": state.get("data"),
+            "mask_token": self.mask_info,
+            "steps": state["step"],
+            "tokens_seen": state["step"] * cfg.batch_size * cfg.grad_accum * cfg.seq_len,
+            "train_seconds": round(state["elapsed_s"], 1),
+            "total_seconds": round(train_seconds, 1) if train_seconds else None,
+            "history": state["history"],
+            "base_eval": state.get("base_eval") or {},
+            "metrics": self._metrics(state),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "saved_dtype": "bfloat16",
+        }
 
 
-def export_from_checkpoint(checkpoint: Path, out: Path) -> Path:
-    """`selfspec export`: rebuild the model of a training checkpoint and export it."""
-    from safetensors.torch import load_file
-
-    checkpoint = Path(checkpoint)
-    if not (checkpoint / "train_state.json").exists():
-        latest = latest_checkpoint(checkpoint) or latest_checkpoint(checkpoint / "checkpoints")
-        if latest is None:
-            raise UsageError(f"no training checkpoint in {checkpoint}")
-        checkpoint = latest
-    saved = json.loads((checkpoint / "train_state.json").read_text())
-    cfg = IDLMConfig(**saved.pop("config"))
-    model, tokenizer, base_path, mask_info = build_model(cfg, "sdpa")
-    weights = checkpoint / "accelerate" / "model.safetensors"
-    if weights.exists():
-        sd = load_file(weights)
-    else:
-        sd = torch.load(checkpoint / "accelerate" / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    tied = {k for k in missing if "lm_head" in k or "embed_tokens" in k}
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(f"checkpoint does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
-    return export_model(model, tokenizer, cfg, saved, base_path, mask_info, Path(out))
+def train_idlm(cfg: IDLMConfig) -> dict:
+    cfg.check_data_paths()
+    return train(IDLMObjective(cfg))
 
 
 # ------------------------------------------------------------------------------ CLI
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _float_list(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = IDLMConfig(base="", out="")
-    parser.add_argument("--base", required=True, help="base causal LM: embedded name or HF checkpoint directory "
-                        "(Qwen3, Qwen2, Llama, ...)")
-    parser.add_argument("--out", required=True, help="export directory")
-    parser.add_argument("--stride", type=int, default=d.stride, help="final ISD stride N (N-1 MASKs per block)")
-    parser.add_argument("--curriculum", type=_int_list, default=None, help="strides in order, e.g. 2,3,4 "
-                        "(must end at --stride; default: --stride only)")
-    parser.add_argument("--stage-fractions", type=_float_list, default=None,
-                        help="share of the steps per curriculum stage, e.g. 0.25,0.25,0.5 (default equal)")
-    parser.add_argument("--lora-rank", type=int, default=0, help="> 0: train a gated LoRA (RISD) on a frozen base")
-    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 * rank)")
-    parser.add_argument("--lora-targets", type=lambda s: [x for x in s.split(",") if x], default=None,
-                        help="comma-separated module names (default: all attention and MLP projections)")
-    parser.add_argument("--data", nargs="+", default=None,
-                        help="'stdlib' (default) or text / JSONL files or directories (JSONL: text, prompt+response, "
-                             "or messages records; chat records train on the responses only)")
-    parser.add_argument("--data-weights", type=_float_list, default=None,
-                        help="with several --data sources: share of each micro-batch per source, e.g. 0.5,0.5")
-    parser.add_argument("--seq-len", type=int, default=d.seq_len, help="clean tokens per row (the forward sees 2x)")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per process per micro-batch")
-    parser.add_argument("--grad-accum", type=int, default=d.grad_accum)
-    parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps at most")
-    parser.add_argument("--time-budget-minutes", type=float, default=None,
-                        help="re-plan the steps so that training (schedule and curriculum) ends inside this budget")
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
-    parser.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
-    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    parser.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    parser.add_argument("--ce-scale", type=float, default=d.ce_scale, help="fixed clean-CE scale (default 0.2)")
-    parser.add_argument("--auto-balance-from", type=int, default=d.auto_balance_from,
-                        help="stages with stride >= this auto-balance the clean CE (default 4)")
-    parser.add_argument("--mask-distill-weight", type=float, default=d.mask_distill_weight,
-                        help="optional extra loss: soft CE of the MASK distribution towards the detached clean-half "
-                             "distribution at the same position (default 0: the seed's loss exactly)")
-    parser.add_argument("--ar-anchor-weight", type=float, default=d.ar_anchor_weight,
-                        help="optional extra loss (full fine-tune): KL from the frozen base to the clean half, "
-                             "holding the AR path to the base (default 0: the seed's loss exactly)")
-    parser.add_argument("--eval-every", type=int, default=d.eval_every)
-    parser.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
-    parser.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every K steps (0: at the end)")
-    parser.add_argument("--checkpoint-dir", default=None, help="default OUT/checkpoints")
-    parser.add_argument("--resume", nargs="?", const="auto", default=None,
-                        help="resume from the latest checkpoint (or the one given)")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16", "fp16"])
-    parser.add_argument("--attn-implementation", default="auto",
-                        choices=["auto", "sdpa", "flex_attention", "eager"])
-    parser.add_argument("--name", default=None, help="model name recorded in the provenance")
-    parser.add_argument("--base-ref", default=None,
-                        help="how the adapter's metadata names its base (default: --base as given)")
-    parser.add_argument("--no-export", action="store_true")
-
-
-def config_from_args(args: argparse.Namespace) -> IDLMConfig:
-    kw = {k: getattr(args, k) for k in (
-        "base", "out", "stride", "curriculum", "stage_fractions", "lora_rank", "lora_alpha", "data", "data_weights",
-        "seq_len",
-        "batch_size", "grad_accum", "steps", "time_budget_minutes", "lr", "min_lr_ratio", "warmup_ratio",
-        "weight_decay", "grad_clip", "ce_scale", "auto_balance_from", "mask_distill_weight", "ar_anchor_weight", "eval_every", "eval_tokens", "save_every",
-        "checkpoint_dir", "resume", "seed", "threads", "mixed_precision", "attn_implementation", "name", "base_ref")}
-    if args.lora_targets:
-        kw["lora_targets"] = args.lora_targets
-    kw["export"] = not args.no_export
-    return IDLMConfig(**kw)
+    C.add_arguments(parser, IDLMConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    result = train_idlm(config_from_args(args))
+    result = train_idlm(C.from_args(IDLMConfig, args))
     if "export" in result:
         print(f"exported {result['export']}")
     return 0

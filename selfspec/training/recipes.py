@@ -12,7 +12,8 @@ numbers into the export's selfspec.json (`metrics.measured`) and provenance.json
 - held-out perplexity of the AR path (plain causal forward) beside tiny-base's;
 - TPF of AR, ISD at N = 2, 3, 4 (greedy; temperature 1 with tau = 0 and tau = 1) or RISD, and
   whether greedy ISD / RISD reproduced the greedy AR output token for token;
-- alpha, the introspective acceptance rate of ISD proposals (seed 002 §2).
+- alpha, the introspective acceptance rate: the share of the model's own MASK proposals that
+  its verify step (p/q acceptance against the causal path) accepts.
 `python -m selfspec.training.recipes measure tiny-idlm` re-runs the measurement alone.
 """
 
@@ -27,7 +28,11 @@ from pathlib import Path
 
 import torch
 
+from selfspec.kernels.lora_gate import model_gate
+from selfspec.decoding import registry
+from selfspec.decoding.metadata import load_metadata
 from selfspec.models import ASSETS_DIR
+from selfspec.training import config as C
 from selfspec.training.idlm import IDLMConfig, train_idlm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +108,7 @@ def measure(name_or_path: str, prompts_file: Path = HELDOUT_PROMPTS, max_new_tok
     started = time.time()
     engine = HFEngine.from_pretrained(name_or_path, dtype=torch.float32)
     meta = engine.metadata
-    gated = meta is not None and meta.mode == "RISD"
+    gated = meta is not None and registry.get(meta.mode).needs_adapter
     tok = engine.tokenizer
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in load_prompts(prompts_file, num_prompts)]
     mask_id = engine.resolve_mask_token()
@@ -111,7 +116,7 @@ def measure(name_or_path: str, prompts_file: Path = HELDOUT_PROMPTS, max_new_tok
                  "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "engine": "hf (fp32, CPU)"}
 
     # held-out perplexity of the AR path, beside tiny-base's (the base of the conversion)
-    base = HFEngine.from_pretrained(meta.base_model_path if gated else (meta.extra.get("converted_from") or "tiny-base"),
+    base = HFEngine.from_pretrained(meta.base_model_path if gated else (meta.converted_from or "tiny-base"),
                                     dtype=torch.float32)
     base_ppl = heldout_ar_perplexity(base.model, base.tokenizer)
     ppl = base_ppl if gated else heldout_ar_perplexity(engine.model, tok)
@@ -135,10 +140,10 @@ def measure(name_or_path: str, prompts_file: Path = HELDOUT_PROMPTS, max_new_tok
     out["decode"] = rows
 
     # introspective acceptance of the proposals (temperature 1 and greedy)
-    gate = engine._gate if gated else None
-    if gated and gate is None:
-        engine.build_mode("risd")  # attaches the adapter
-        gate = engine._gate
+    gate = None
+    if gated:
+        engine.build_mode("risd")  # attaches the adapter (once) and its gate
+        gate = model_gate(engine.model)
     alpha = {}
     for n in (2, 3, 4):
         for temp in (1.0, 0.0):
@@ -163,14 +168,11 @@ def _relative(value):
 def finalize_provenance(model_dir: Path, command: str, selfgen: SelfgenSpec | None = None) -> None:
     """Record the recipe's own command, and repository-relative paths, in selfspec.json and
     provenance.json (the training code records what it was given)."""
-    from selfspec.decoding.metadata import METADATA_FILE, write_metadata
-
-    meta = json.loads((model_dir / METADATA_FILE).read_text())
-    recipe = meta.setdefault("recipe", {})
-    recipe["command"] = command
-    if "config" in recipe:
-        recipe["config"] = {k: _relative(v) for k, v in recipe["config"].items()}
-    write_metadata(model_dir, meta)
+    meta = load_metadata(model_dir)
+    meta.recipe["command"] = command
+    if "config" in meta.recipe:
+        meta.recipe["config"] = {k: _relative(v) for k, v in meta.recipe["config"].items()}
+    meta.write(model_dir)
     prov_file = model_dir / "provenance.json"
     if prov_file.exists():
         prov = json.loads(prov_file.read_text())
@@ -185,11 +187,9 @@ def finalize_provenance(model_dir: Path, command: str, selfgen: SelfgenSpec | No
 
 def record_measurement(model_dir: Path, measured: dict) -> None:
     """Merge the measurement into selfspec.json (metrics.measured) and provenance.json."""
-    from selfspec.decoding.metadata import METADATA_FILE, write_metadata
-
-    meta = json.loads((model_dir / METADATA_FILE).read_text())
-    meta.setdefault("metrics", {})["measured"] = measured
-    write_metadata(model_dir, meta)
+    meta = load_metadata(model_dir)
+    meta.metrics["measured"] = measured
+    meta.write(model_dir)
     prov_file = model_dir / "provenance.json"
     if prov_file.exists():
         prov = json.loads(prov_file.read_text())
@@ -211,26 +211,20 @@ def format_measurement(m: dict) -> str:
 
 
 # ------------------------------------------------------------------------------ CLI
+RECIPE_OPTIONS = ("out", "time_budget_minutes", "steps", "resume", "seed")  # what a recipe run may change
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """For `selfspec train tiny-idlm` and `selfspec train tiny-idlm-lora` (recipe chosen by the
     subcommand name, passed as `recipe`)."""
-    parser.add_argument("--out", default=None, help="export directory (default: the package's embedded model dir)")
-    parser.add_argument("--time-budget-minutes", type=float, default=None, help="training-loop budget")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps at most")
-    parser.add_argument("--resume", nargs="?", const="auto", default=None, help="resume from the latest checkpoint")
-    parser.add_argument("--seed", type=int, default=None)
+    C.add_arguments(parser, IDLMConfig, only=RECIPE_OPTIONS, overrides=True)  # default: the recipe's value
     parser.add_argument("--no-measure", action="store_true", help="skip the measurement after export")
 
 
 def run_recipe(name: str, args: argparse.Namespace | None = None) -> dict:
     cfg = RECIPES[name]
-    changes = {}
     if args is not None:
-        for key in ("out", "time_budget_minutes", "steps", "resume", "seed"):
-            value = getattr(args, key, None)
-            if value is not None:
-                changes[key] = value
-    cfg = replace(cfg, **changes)
+        cfg = replace(cfg, **{k: v for k, v in C.given_options(IDLMConfig, args).items() if k in RECIPE_OPTIONS})
     selfgen = SELFGEN.get(name)
     if selfgen is not None and str(selfgen.file) in (cfg.data or []):
         selfgen.ensure()

@@ -1,50 +1,63 @@
 """Recipe of the embedded base model `tiny-base`: a ~5M-parameter Qwen3 trained on the stdlib.
 
 `selfspec train tiny-base` runs it end to end: tokenizer, model, held-out evaluation, bf16
-export with provenance. Deterministic for a seed on one machine (CPU, fixed thread count).
+export with provenance. Pre-training is an objective of the training loop
+(`selfspec.training.loop`: the same learning-rate schedule, time-budget re-planning,
+checkpoints and export as every other run). Deterministic for a seed on one machine (CPU,
+fixed thread count).
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import math
 import platform
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from selfspec.models import ASSETS_DIR
+from selfspec.training import config as C
+from selfspec.training.config import LoopConfig, option
 from selfspec.training.corpus import HELDOUT_PERCENT, load_stdlib_split
+from selfspec.training.data import batch_generator
+from selfspec.training.loop import train
+from selfspec.training.objective import Objective
 from selfspec.training.tokenizer import EOS_TOKEN, IM_END, train_bpe_tokenizer
 
+RUNS_DIR = Path(__file__).resolve().parents[2] / "runs"
 
-@dataclass
-class TinyBaseConfig:
-    vocab_size: int = 8192
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 768
-    max_position_embeddings: int = 4096
-    seq_len: int = 512
-    batch_size: int = 8
-    steps: int = 2400
-    warmup_steps: int = 60
+
+@dataclass(kw_only=True)
+class TinyBaseConfig(LoopConfig):
+    """tiny-base"""
+
+    # the loop's settings, with tiny-base's values
+    out: str = option(str(ASSETS_DIR / "tiny-base"), help="output directory (default: the package's embedded tiny-base)")
+    steps: int = option(2400, help="optimizer steps at most (default 2400)")
+    time_budget_minutes: float | None = option(
+        45.0, help="wall-clock budget of the training loop; the LR schedule anneals within it (default 45)")
     lr: float = 3e-3
     min_lr_ratio: float = 0.05
+    warmup_ratio: float = 0.025  # 60 of 2400 steps
     weight_decay: float = 0.1
-    grad_clip: float = 1.0
     eval_every: int = 150
-    eval_tokens: int = 65536
-    seed: int = 0
-    threads: int = 1  # one thread: on a shared 2-core machine two OpenMP threads stall each other
-    time_budget_minutes: float = 45.0  # of the training loop; tokenizer and export come on top
-    extra: dict = field(default_factory=dict)
+    eval_tokens: int = 65536  # the final evaluation reads the whole held-out split
+    checkpoint_dir: str | None = str(RUNS_DIR / "tiny-base")  # outside the package
+    threads: int | None = 1  # one thread: on a shared 2-core machine two OpenMP threads stall each other
+    mixed_precision: str = "no"  # fp32, as tiny-base was trained
+    # the model and its data
+    vocab_size: int = option(8192, help="byte-level BPE vocabulary")
+    hidden_size: int = option(256, help="model width")
+    num_layers: int = option(4, help="decoder layers")
+    num_heads: int = option(4, help="attention heads")
+    num_kv_heads: int = option(2, help="key / value heads")
+    head_dim: int = option(64, help="attention head size")
+    intermediate_size: int = option(768, help="MLP width")
+    max_position_embeddings: int = option(4096, help="longest position")
+    seq_len: int = option(512, help="tokens per training window")
 
 
 def build_model(cfg: TinyBaseConfig, eos_id: int):
@@ -68,22 +81,6 @@ def build_model(cfg: TinyBaseConfig, eos_id: int):
     return Qwen3ForCausalLM(config)
 
 
-def _progress(step: int, elapsed_s: float, cfg: TinyBaseConfig) -> float:
-    """Fraction of the run done: by steps, or by wall-clock when the time budget binds first.
-
-    The cosine schedule follows whichever is further along, so a run on a busy machine still
-    anneals fully inside its time budget instead of being cut off at a high learning rate.
-    """
-    return max(step / cfg.steps, elapsed_s / (cfg.time_budget_minutes * 60))
-
-
-def _lr_at(step: int, progress: float, cfg: TinyBaseConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
-
-
 def tokenize_files(tokenizer, texts: list[str]) -> torch.Tensor:
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     ids: list[int] = []
@@ -97,12 +94,14 @@ def tokenize_files(tokenizer, texts: list[str]) -> torch.Tensor:
 def heldout_loss(model, tokens: torch.Tensor, seq_len: int, batch_size: int) -> float:
     """Mean next-token cross-entropy over consecutive non-overlapping windows of `tokens`."""
     model.eval()
+    device = next(model.parameters()).device
     n = (len(tokens) - 1) // seq_len
     total, count = 0.0, 0
     for start in range(0, n, batch_size):
         rows = range(start, min(n, start + batch_size))
         x = torch.stack([tokens[r * seq_len : r * seq_len + seq_len] for r in rows])
         y = torch.stack([tokens[r * seq_len + 1 : r * seq_len + seq_len + 1] for r in rows])
+        x, y = x.to(device), y.to(device)
         logits = model(input_ids=x).logits.float()
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
         total += loss.item()
@@ -111,101 +110,116 @@ def heldout_loss(model, tokens: torch.Tensor, seq_len: int, batch_size: int) -> 
     return total / count
 
 
-def train_tiny_base(out_dir: Path, cfg: TinyBaseConfig) -> dict:
-    from transformers import GenerationConfig
+class TinyBaseObjective(Objective):
+    """Next-token pre-training of tiny-base on the stdlib train split, as an objective of the
+    training loop (one stage; a plain AR model, so no selfspec.json)."""
 
-    started = time.time()
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.threads)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    name = "tiny-base"
+    config_class = TinyBaseConfig
+    cfg: TinyBaseConfig
 
-    split = load_stdlib_split()
-    print(f"corpus: {len(split.train)} train files, {len(split.heldout)} held-out files from {split.root}")
-    tokenizer = train_bpe_tokenizer((f.text for f in split.train), cfg.vocab_size, out_dir)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
-    tokenizer_seconds = time.time() - started
+    def build_model(self, device: torch.device) -> torch.nn.Module:
+        """Trains the tokenizer first (it fixes the vocabulary), into the export directory."""
+        from transformers import GenerationConfig
 
-    train_tokens = tokenize_files(tokenizer, [f.text for f in split.train])
-    heldout_tokens = tokenize_files(tokenizer, [f.text for f in split.heldout])
-    eval_tokens = heldout_tokens[: cfg.eval_tokens + 1]
-    print(f"tokens: train {len(train_tokens):,}, held-out {len(heldout_tokens):,} (eval on {len(eval_tokens) - 1:,})")
+        cfg = self.cfg
+        self.device = device
+        started = time.time()
+        self.split = load_stdlib_split()
+        print(f"corpus: {len(self.split.train)} train files, {len(self.split.heldout)} held-out files "
+              f"from {self.split.root}")
+        self.tokenizer = train_bpe_tokenizer((f.text for f in self.split.train), cfg.vocab_size, Path(cfg.out))
+        self.tokenizer_seconds = time.time() - started
+        eos_id = self.tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+        im_end_id = self.tokenizer.convert_tokens_to_ids(IM_END)
+        model = build_model(cfg, eos_id)
+        model.generation_config = GenerationConfig(eos_token_id=[eos_id, im_end_id], pad_token_id=eos_id)
+        return model
 
-    model = build_model(cfg, eos_id)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters")
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
-    gen = torch.Generator().manual_seed(cfg.seed)
-    history: list[dict] = []
-    loop_started = time.time()
-    steps_done = 0
-    model.train()
-    bar = tqdm(range(cfg.steps), desc="tiny-base", unit="step")
-    for step in bar:
-        starts = torch.randint(0, len(train_tokens) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
-        batch = torch.stack([train_tokens[s : s + cfg.seq_len + 1] for s in starts.tolist()])
-        progress = _progress(step, time.time() - loop_started, cfg)
-        if progress >= 1.0:
-            tqdm.write(f"time budget of {cfg.time_budget_minutes} min reached at step {steps_done}")
-            break
-        lr = _lr_at(step, progress, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        steps_done = step + 1
-        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}")
-        if steps_done % cfg.eval_every == 0 or steps_done == cfg.steps:
-            ho = heldout_loss(model, eval_tokens, cfg.seq_len, cfg.batch_size)
-            history.append({"step": steps_done, "train_loss": loss.item(), "heldout_loss": ho,
-                            "elapsed_s": round(time.time() - started, 1)})
-            tqdm.write(f"step {steps_done}: train {loss.item():.3f}  held-out {ho:.3f} (ppl {math.exp(ho):.1f})")
-
-    final_heldout = heldout_loss(model, heldout_tokens, cfg.seq_len, cfg.batch_size)
-    model.generation_config = GenerationConfig(eos_token_id=[eos_id, im_end_id], pad_token_id=eos_id)
-    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
-    provenance = {
-        "model": "tiny-base",
-        "command": "selfspec train tiny-base " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["train", "tiny-base"] else " ".join(sys.argv),
-        "config": asdict(cfg),
-        "seed": cfg.seed,
-        "parameters": n_params,
-        "corpus": {
+    def setup_training(self, model: torch.nn.Module, log) -> None:
+        cfg = self.cfg
+        self.train_tokens = tokenize_files(self.tokenizer, [f.text for f in self.split.train])
+        self.heldout_tokens = tokenize_files(self.tokenizer, [f.text for f in self.split.heldout])
+        self.eval_tokens = self.heldout_tokens[: cfg.eval_tokens + 1]
+        log(f"tokens: train {len(self.train_tokens):,}, held-out {len(self.heldout_tokens):,} "
+            f"(eval on {len(self.eval_tokens) - 1:,})")
+        self.data_description = {
             "source": "Python standard library sources (site-packages and test directories excluded)",
             "python": platform.python_version(),
-            "sha256": split.digest(),
-            "train_files": len(split.train),
-            "heldout_files": len(split.heldout),
+            "sha256": self.split.digest(),
+            "train_files": len(self.split.train),
+            "heldout_files": len(self.split.heldout),
             "heldout_rule": f"sha256(relative path) % 100 < {HELDOUT_PERCENT}",
-            "heldout_paths": [f.relpath for f in split.heldout],
-            "train_tokens": len(train_tokens),
-            "heldout_tokens": len(heldout_tokens),
-        },
-        "steps": steps_done,
-        "tokens_seen": steps_done * cfg.batch_size * cfg.seq_len,
-        "epochs": round(steps_done * cfg.batch_size * cfg.seq_len / len(train_tokens), 3),
-        "train_loss_last": history[-1]["train_loss"] if history else None,
-        "heldout_loss": final_heldout,
-        "heldout_perplexity": math.exp(final_heldout),
-        "history": history,
-        "tokenizer_seconds": round(tokenizer_seconds, 1),
-        "total_seconds": round(time.time() - started, 1),
-        "torch": torch.__version__,
-        "saved_dtype": "bfloat16",
-    }
-    (out_dir / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    print(f"saved {out_dir}: held-out loss {final_heldout:.3f} (ppl {math.exp(final_heldout):.1f}) "
-          f"in {provenance['total_seconds'] / 60:.1f} min")
-    return provenance
+            "heldout_paths": [f.relpath for f in self.split.heldout],
+            "train_tokens": len(self.train_tokens),
+            "heldout_tokens": len(self.heldout_tokens),
+        }
+
+    def batch(self, step: int, micro: int, rank: int) -> torch.Tensor:
+        """[B, seq_len + 1] random windows of the train stream."""
+        cfg = self.cfg
+        gen = batch_generator(cfg.seed, step, micro, rank)
+        starts = torch.randint(0, len(self.train_tokens) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
+        return torch.stack([self.train_tokens[s : s + cfg.seq_len + 1] for s in starts.tolist()]).to(self.device)
+
+    def forward(self, model: torch.nn.Module, batch: torch.Tensor, stage: dict) -> torch.Tensor:
+        return model(input_ids=batch[:, :-1]).logits
+
+    def loss(self, logits: torch.Tensor, batch: torch.Tensor, stage: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        return loss, {"loss": loss.item()}
+
+    def evaluate(self, model: torch.nn.Module) -> dict:
+        loss = heldout_loss(model, self.eval_tokens, self.cfg.seq_len, self.cfg.batch_size)
+        return {"heldout_loss": loss, "heldout_perplexity": math.exp(loss)}
+
+    def describe_eval(self, ev: dict) -> str:
+        return f"loss {ev['heldout_loss']:.3f} (ppl {ev['heldout_perplexity']:.1f})"
+
+    def postfix(self, stage: dict, stats: dict[str, float]) -> dict:
+        return {"loss": f"{stats['loss']:.3f}"}
+
+    def provenance(self, model: torch.nn.Module, state: dict, out: Path, train_seconds: float | None) -> dict:
+        cfg = self.cfg
+        final = heldout_loss(model, self.heldout_tokens, cfg.seq_len, cfg.batch_size)
+        tokens_seen = state["step"] * cfg.batch_size * cfg.grad_accum * cfg.seq_len
+        corpus = state.get("data") or {}
+        history = state["history"]
+        print(f"held-out loss {final:.3f} (ppl {math.exp(final):.1f})")
+        return {
+            "model": cfg.name or "tiny-base",
+            "command": C.command_line(),
+            "config": asdict(cfg),
+            "seed": cfg.seed,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "corpus": corpus,
+            "steps": state["step"],
+            "tokens_seen": tokens_seen,
+            "epochs": round(tokens_seen / corpus["train_tokens"], 3) if corpus.get("train_tokens") else None,
+            "train_loss_last": history[-1]["loss"] if history else None,
+            "heldout_loss": final,
+            "heldout_perplexity": math.exp(final),
+            "history": history,
+            "tokenizer_seconds": round(getattr(self, "tokenizer_seconds", 0.0), 1),
+            "train_seconds": round(state["elapsed_s"], 1),
+            "total_seconds": round(train_seconds, 1) if train_seconds else None,
+            "torch": torch.__version__,
+            "saved_dtype": "bfloat16",
+        }
+
+
+def train_tiny_base(cfg: TinyBaseConfig) -> dict:
+    return train(TinyBaseObjective(cfg))
+
+
+# ------------------------------------------------------------------------------ CLI
+CLI_OPTIONS = ("out", "steps", "time_budget_minutes", "seed")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    C.add_arguments(parser, TinyBaseConfig, only=CLI_OPTIONS)
+
+
+def run(args: argparse.Namespace) -> int:
+    train_tiny_base(C.from_args(TinyBaseConfig, args))
+    return 0
