@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from selfspec.errors import UsageError
-from selfspec.models import ModelNotFoundError
+from selfspec.errors import UsageError, UserError
 from selfspec.serving import split_passthrough
 
 
@@ -30,9 +28,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     import torch
 
+    from selfspec.decoding import registry
     from selfspec.decoding.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
 
+    # everything a flag can get wrong is checked before the model loads
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        options = registry.parse_option_string(args.mode_config)
+        registry.parse_mode_config(args.mode, options)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if registry.get(args.mode).greedy_only and not sampling.greedy:
+        sampled = ", ".join(s.name for s in registry.MODES.values() if not s.greedy_only)
+        raise UsageError(f"--mode {args.mode} is greedy only: use --temperature 0, or a sampling mode ({sampled})")
     engine = HFEngine.from_pretrained(args.model, dtype=torch.float32)
     tok = engine.tokenizer
     if args.chat:
@@ -41,10 +50,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         text = args.prompt
     prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     started = time.perf_counter()
     (out,) = engine.generate([prompt_ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                             seed=args.seed, mode=args.mode)
+                             seed=args.seed, mode=args.mode, mode_config=options or None)
     elapsed = time.perf_counter() - started
     print(tok.decode(out.token_ids, skip_special_tokens=True))
     n = len(out.token_ids)
@@ -64,16 +72,9 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     return subprocess.call(argv, env=env)
 
 
-def _cmd_train_tiny_base(args: argparse.Namespace) -> int:
-    from selfspec.models import ASSETS_DIR
-    from selfspec.training.tiny_base import TinyBaseConfig, train_tiny_base
-
-    cfg = TinyBaseConfig(steps=args.steps, time_budget_minutes=args.time_budget_minutes, seed=args.seed)
-    train_tiny_base(Path(args.out) if args.out else ASSETS_DIR / "tiny-base", cfg)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from selfspec.decoding import registry
+
     parser = argparse.ArgumentParser(
         prog="selfspec",
         description="Self-speculative parallel decoding (ISD, RISD, JACOBI, SJD) for SGLang, and its training package.",
@@ -87,11 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="embedded model name (see `selfspec models`) or checkpoint directory")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--mode", default="ar", help="decoding mode: ar, ngram, jacobi, sjd, isd, risd (default ar)")
+    p.add_argument("--mode", default="ar", choices=registry.MODE_NAMES, metavar="MODE",
+                   help="decoding mode (default ar): " + registry.help_text())
+    p.add_argument("--mode-config", default=None, metavar="K=V,...",
+                   help="the mode's options, e.g. stride=3,tau=0.5 (isd/risd), block_size=16 (jacobi), window=4 (sjd); "
+                   "options: " + "; ".join(f"{s.name}: {', '.join(s.defaults)}" for s in registry.MODES.values()
+                                          if s.config_class is not None))
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else > 0")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off, else at least 1")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1.0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=_cmd_generate)
 
@@ -112,14 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = train.add_parser("tiny-base", help="train the embedded tokenizer + ~5M-parameter Qwen3 on the stdlib sources",
                          description="Trains a byte-level BPE tokenizer and a Qwen3-architecture causal LM on this "
                          "interpreter's standard-library sources and exports bf16 safetensors with provenance.json.")
-    p.add_argument("--out", default=None, help="output directory (default: the package's embedded tiny-base)")
-    p.add_argument("--steps", type=int, default=2400, help="optimizer steps at most (default 2400)")
-    p.add_argument("--time-budget-minutes", type=float, default=45.0,
-                   help="wall-clock budget of the training loop; the LR schedule anneals within it (default 45)")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_cmd_train_tiny_base)
+    from selfspec.training import idlm, recipes, tiny_base
 
-    from selfspec.training import idlm, recipes
+    tiny_base.add_arguments(p)
+    p.set_defaults(func=tiny_base.run)
 
     p = train.add_parser("idlm", help="convert a causal LM into an introspective (I-DLM) model: full or gated-LoRA",
                          description=idlm.__doc__)
@@ -160,17 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "takes_extra", False):
             return args.func(args, extra)
         return args.func(args)
-    except Exception as e:
-        from selfspec.decoding.step import ModeUnavailable
-        from selfspec.serving import ServeError
-
+    except UserError as e:
         # Problems the user can fix get one line, not a traceback: an unknown model, a mode
         # the model cannot run (ISD without a [MASK] token), a port in use, a missing SGLang,
-        # a bad training flag or data path.
-        if isinstance(e, (ModelNotFoundError, ModeUnavailable, ServeError, UsageError)):
-            print(f"selfspec: {e}", file=sys.stderr)
-            return 2
-        raise
+        # a bad flag, data path or selfspec.json.
+        print(f"selfspec: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

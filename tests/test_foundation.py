@@ -181,3 +181,25 @@ def test_train_idlm_bad_input_is_one_clear_line(tmp_path, flags, message):
     out = _cli("train", "idlm", "--base", "tiny-base", *flags, "--out", str(tmp_path / "out"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("selfspec: ") and message in out.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--mode", "jacobi", "--temperature", "0.7"], "--mode jacobi is greedy only"),
+    (["--mode", "eagle"], "invalid choice: 'eagle'"),
+    (["--mode", "isd", "--mode-config", "stride=three"], "isd option stride='three': expected an integer"),
+    (["--mode", "sjd", "--mode-config", "windw=2"], "unknown sjd option"),
+    (["--mode", "isd", "--mode-config", "stride=1"], "ISD stride must be >= 2"),
+])
+def test_generate_bad_input_is_one_clear_line(flags, message):
+    out = _cli("generate", "--model", "tiny-base", "--prompt", "def f():", *flags)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert message in out.stderr
+
+
+def test_generate_takes_mode_options():
+    out = _cli("generate", "--model", "tiny-idlm", "--prompt", "import os", "--mode", "isd",
+               "--mode-config", "stride=2", "--max-new-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    assert "mode=isd" in out.stderr
