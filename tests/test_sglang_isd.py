@@ -1,7 +1,9 @@
 """ISD served by stock SGLang through the selfspec plugin (`--speculative-algorithm ISD`).
 
 One ISD server (module scope) on tiny-base: its tokenizer has a [MASK] token, so ISD runs on it
-losslessly even though the untrained mask embedding proposes poorly. Besides the lossless check,
+losslessly even though the untrained mask embedding proposes poorly. It verifies context n-gram
+candidates beside the proposals (`context_tokens=4`), so steps with and without a candidate
+branch both run through the worker. Besides the lossless check,
 this module carries the request-level edge cases shared by every mode (they exercise the same
 worker): seeded sampling, max_tokens, stop strings and stop tokens, streaming, abort, KV usage.
 """
@@ -28,7 +30,9 @@ from sglang_fixtures import (
 
 pytestmark = pytest.mark.server
 
-server = mode_server_fixture("isd", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3", "--enable-metrics"])
+ISD_OPTIONS = {"stride": 3, "context_tokens": 4}
+server = mode_server_fixture("isd", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3", "--enable-metrics",
+                                     "--selfspec-options", "context_tokens=4"])
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,22 @@ def test_isd_greedy_equals_ar_sequential(server, heldout_ids, ar_reference):
     assert meta["spec_verify_ct"] >= 1
     assert meta["selfspec_tpf"] == pytest.approx(meta["completion_tokens"] / (meta["spec_verify_ct"] + 1))
     assert meta["selfspec_accept_length"] >= 1.0
+
+
+def test_served_steps_are_the_reference_engines(server, heldout_ids, tiny_base_path):
+    """The worker runs the decoding core's plan: per request, as many forwards as the HF engine
+    takes for the same mode options (candidate branches included)."""
+    import torch
+
+    from selfspec.engines.hf import HFEngine
+
+    engine = HFEngine.from_pretrained(tiny_base_path, dtype=torch.float32)
+    ids = heldout_ids[:8]
+    ref = engine.generate(ids, MAX_NEW, mode="isd", mode_config=ISD_OPTIONS)
+    served = [native_generate(server.base_url, p)["meta_info"] for p in ids]
+    assert [m["spec_verify_ct"] + 1 for m in served] == [o.metrics.forwards for o in ref]
+    plain = engine.generate(ids, MAX_NEW, mode="isd", mode_config={"stride": 3})
+    assert sum(o.metrics.forwards for o in ref) < sum(o.metrics.forwards for o in plain)
 
 
 def test_isd_greedy_equals_ar_burst_and_kv_released(server, heldout_ids, ar_reference):

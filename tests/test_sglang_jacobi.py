@@ -15,12 +15,13 @@ from sglang_fixtures import (
 
 pytestmark = pytest.mark.server
 
-# small blocks keep the CPU verify tree at 1 + 7 + 8 + 3*3 = 25 query tokens per request; the
-# server builds its tree mask in the GPU backends' full [W, L + W] layout (SELFSPEC_FULL_MASK),
-# so the CPU run also checks the mask the GPU path hands to SGLang
+# small blocks keep the CPU verify tree at 1 + 7 + 8 + 3*3 + 7 = 32 query tokens per request
+# (the last 7: a context n-gram candidate); the server builds its tree mask in the GPU backends'
+# full [W, L + W] layout (SELFSPEC_FULL_MASK), so the CPU run also checks the mask the GPU path
+# hands to SGLang
 server = mode_server_fixture("jacobi", [
     "--speculative-algorithm", "JACOBI",
-    "--selfspec-options", "block_size=8,max_blocks=2,verify_size=3,ngram_size=4",
+    "--selfspec-options", "block_size=8,max_blocks=2,verify_size=3,ngram_size=4,context_tokens=7",
 ], env={"SELFSPEC_FULL_MASK": "1"})
 
 

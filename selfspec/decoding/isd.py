@@ -36,9 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.decoding.ngram import SuffixIndex
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
+from selfspec.decoding.tree_verify import DraftPath, verify_paths
 
 
 @dataclass
@@ -48,17 +50,37 @@ class ISDConfig:
     fixed_width: bool = True  # pad every step to 2N-1 (CUDA-graph shape) or use N / 2N-1
     mask_token_id: int | None = None  # default: selfspec.json, then the tokenizer's mask_token
     adapter: str | None = None  # RISD: PEFT adapter dir (default: selfspec.json's adapter)
+    # context n-gram candidate: up to this many tokens that followed the latest earlier match of
+    # the sequence's suffix, verified as a second branch beside the proposals (0 = off)
+    context_tokens: int = 0
+    context_match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
+    context_tail: bool = True  # MASK proposals after the candidate too (used when it wins whole)
 
     def __post_init__(self) -> None:
         if self.stride < 2:
             raise ValueError(f"ISD stride must be >= 2, got {self.stride}")
         if self.tau < 0:
             raise ValueError(f"tau must be >= 0, got {self.tau}")
+        if self.context_tokens < 0:
+            raise ValueError(f"context_tokens must be >= 0 (0 = off), got {self.context_tokens}")
+        self.context_match_sizes = tuple(sorted({int(m) for m in self.context_match_sizes}, reverse=True))
+        if not self.context_match_sizes or min(self.context_match_sizes) < 1:
+            raise ValueError("context_match_sizes must be lengths >= 1")
+
+
+@dataclass
+class TreePlan:
+    """A step with a candidate branch: the draft paths and, per path, its MASK rows (or None)."""
+
+    paths: list[DraftPath]
+    mask_rows: list[list[int] | None]
 
 
 @dataclass
 class ISDState:
     proposals: list[int] = field(default_factory=list)  # for the positions after pending
+    index: SuffixIndex | None = None  # the context lookup (context_tokens > 0)
+    plan: TreePlan | None = None  # this step's branches, when it has a candidate branch
 
 
 def build_layout(pending: int, proposals: list[int], stride: int, mask_token_id: int, fixed_width: bool) -> StepLayout:
@@ -70,6 +92,39 @@ def build_layout(pending: int, proposals: list[int], stride: int, mask_token_id:
     tokens = [pending, *proposals] + [mask_token_id] * (width - real)
     gate = [False] * real + [True] * (width - real)
     return StepLayout(tokens, gate=gate)
+
+
+def build_tree_layout(pending: int, proposals: list[int], candidate: list[int], stride: int, mask_token_id: int,
+                      tail: bool, width: int | None = None) -> tuple[StepLayout, TreePlan]:
+    """Two branches over the pending token: [proposals, MASK × (N−1)] and [candidate (+ MASK ×
+    (N−1) if tail)], their common prefix shared as trunk; padded with MASK to `width` if given.
+    Gate on at MASK tokens."""
+    j = 0
+    while j < min(len(proposals), len(candidate)) and proposals[j] == candidate[j]:
+        j += 1
+    tokens, offsets, branch, gate = [pending, *proposals[:j]], list(range(j + 1)), [0] * (j + 1), [False] * (j + 1)
+    paths, mask_rows = [], []
+    for bid, (drafts, with_tail) in enumerate([(proposals, True), (candidate, tail)], start=1):
+        rows = list(range(j + 1))  # rows[i] judges draft i; the last one gives the bonus
+        for depth in range(j, len(drafts)):
+            rows.append(len(tokens))
+            tokens.append(drafts[depth]), offsets.append(depth + 1), branch.append(bid), gate.append(False)
+        tail_rows = None
+        if with_tail:
+            tail_rows = list(range(len(tokens), len(tokens) + stride - 1))
+            tokens += [mask_token_id] * (stride - 1)
+            offsets += range(len(drafts) + 1, len(drafts) + stride)
+            branch += [bid] * (stride - 1)
+            gate += [True] * (stride - 1)
+        paths.append(DraftPath(list(drafts), rows[: len(drafts)], rows[len(drafts)]))
+        mask_rows.append(tail_rows)
+    if width is not None and len(tokens) < width:
+        extra = width - len(tokens)
+        tokens += [mask_token_id] * extra
+        offsets += range(max(offsets) + 1, max(offsets) + 1 + extra)
+        branch += [3] * extra
+        gate += [False] * extra
+    return StepLayout(tokens, offsets, branch, gate), TreePlan(paths, mask_rows)
 
 
 @dataclass
@@ -95,23 +150,47 @@ class ISDMode(Mode):
         self.mask_token_id = mask_token_id
         self.gated = gated
         self.name = "risd" if gated else "isd"
-        self.seeds_per_step = config.stride  # D + 1 verify seeds
-        self.max_width = 2 * config.stride - 1
+        n1, k = config.stride - 1, config.context_tokens
+        self.seeds_per_step = max(n1, k) + 1  # one per depth of the deepest path, plus the bonus
+        self.max_width = 1 + 2 * n1 + (k + (n1 if config.context_tail else 0) if k else 0)
 
     def start(self, seq: DecodeSequence) -> None:
-        seq.state = ISDState()
+        cfg = self.config
+        seq.state = ISDState(index=SuffixIndex(cfg.context_match_sizes) if cfg.context_tokens else None)
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         cfg = self.config
         out = []
         for s in seqs:
-            lay = build_layout(s.pending, s.state.proposals, cfg.stride, self.mask_token_id, cfg.fixed_width)
+            st = s.state
+            st.plan = None
+            candidate = st.index.propose(s.history, cfg.context_tokens) if st.index is not None else []
+            if candidate and candidate != st.proposals[: len(candidate)]:
+                width = self.max_width if cfg.fixed_width else None
+                lay, st.plan = build_tree_layout(s.pending, st.proposals, candidate, cfg.stride, self.mask_token_id,
+                                                 cfg.context_tail, width)
+            else:
+                lay = build_layout(s.pending, st.proposals, cfg.stride, self.mask_token_id, cfg.fixed_width)
             if not self.gated:
                 lay.gate = None
             out.append(lay)
         return out
 
     def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
+        outcomes: list[StepOutcome | None] = [None] * len(seqs)
+        chain = [b for b, s in enumerate(seqs) if s.state.plan is None]
+        if chain:
+            sub = seqs if len(chain) == len(seqs) else [seqs[b] for b in chain]
+            idx = torch.tensor(chain, dtype=torch.long, device=logits.device)
+            for b, out in zip(chain, self._finish_chains(sub, logits[idx], ctx.select(idx))):
+                outcomes[b] = out
+        for b, s in enumerate(seqs):
+            if s.state.plan is not None:
+                outcomes[b] = self._finish_tree(s, logits[b], ctx, b)
+        return outcomes
+
+    def _finish_chains(self, seqs, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
+        """Steps without a candidate branch, verified as one batch."""
         n = self.config.stride
         device = logits.device
         num = torch.tensor([len(s.state.proposals) for s in seqs], dtype=torch.long, device=device)
@@ -128,3 +207,19 @@ class ISDMode(Mode):
             s.state.proposals = step.proposals
             outcomes.append(StepOutcome(step.emit, step.keep, a))
         return outcomes
+
+    def _finish_tree(self, seq: DecodeSequence, logits: torch.Tensor, ctx: StepContext, b: int) -> StepOutcome:
+        """A step with a candidate branch (`tree_verify`): the winning path's drafts, then the
+        MASK proposals of that path if it was accepted whole and has them."""
+        plan = seq.state.plan
+        res = verify_paths(logits, plan.paths, ctx.seeds[b], float(ctx.temperature[b]), int(ctx.top_k[b]),
+                           float(ctx.top_p[b]), self.config.tau)
+        path = plan.paths[res.path]
+        positions = path.rows[1:] + [path.end_row]  # step index of draft i is positions[i]
+        emit = path.tokens[: res.accepted] + [res.next_token]
+        keep = [0] + positions[: res.accepted]
+        tail = plan.mask_rows[res.path]
+        whole = res.accepted == len(path.tokens)
+        seq.state.proposals = logits[tail].argmax(-1).tolist() if whole and tail is not None else []
+        seq.state.plan = None
+        return StepOutcome(emit, keep, res.accepted)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding import rng
+from selfspec.decoding.ngram import SuffixIndex
 from selfspec.decoding.ngram_pool import NgramPool
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
 
@@ -57,6 +58,10 @@ class JacobiConfig:
     verify_size: int = 4  # pool candidates verified per step beside the main draft
     ngram_size: int = 4  # pool n-gram length (a candidate drafts ngram_size - 1 tokens)
     init: str = "history"  # fresh block tokens: "history" | "random" (the paper's)
+    # context n-gram candidate: up to this many tokens that followed the latest earlier match of
+    # the sequence's suffix, one more candidate branch beside the pool's (0 = off)
+    context_tokens: int = 0
+    context_match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -71,6 +76,11 @@ class JacobiConfig:
             raise ValueError(f"JACOBI ngram_size must be >= 2 (a candidate drafts ngram_size - 1 tokens), got {self.ngram_size}")
         if self.pool_size < 1 or self.verify_size < 0:
             raise ValueError("JACOBI needs pool_size >= 1 and verify_size >= 0")
+        if self.context_tokens < 0:
+            raise ValueError(f"JACOBI context_tokens must be >= 0 (0 = off), got {self.context_tokens}")
+        self.context_match_sizes = tuple(sorted({int(m) for m in self.context_match_sizes}, reverse=True))
+        if not self.context_match_sizes or min(self.context_match_sizes) < 1:
+            raise ValueError("JACOBI context_match_sizes must be lengths >= 1")
 
     @property
     def spawn_threshold(self) -> int:
@@ -88,6 +98,7 @@ class JacobiState:
     ra: Block
     pseudo: list[Block] = field(default_factory=list)
     pool: NgramPool | None = None
+    index: SuffixIndex | None = None  # the context lookup (context_tokens > 0)
     candidates: list[list[int]] = field(default_factory=list)  # this step's pool drafts
     starts: list[int] = field(default_factory=list)  # where each candidate branch starts
 
@@ -171,7 +182,8 @@ class JacobiMode(Mode):
         self.vocab_size = vocab_size
         c = config
         self.seeds_per_step = 1  # unused: greedy only
-        self.max_width = 1 + (c.block_size - 1) + (c.max_blocks - 1) * c.block_size + c.verify_size * (c.ngram_size - 1)
+        self.max_width = (1 + (c.block_size - 1) + (c.max_blocks - 1) * c.block_size + c.verify_size * (c.ngram_size - 1)
+                          + min(c.context_tokens, c.block_size - 1))
 
     def _fresh(self, history: list[int], count: int) -> list[int]:
         """Initial tokens for a new block. Decoding is greedy, so they only affect speed; the
@@ -185,7 +197,8 @@ class JacobiMode(Mode):
     def start(self, seq: DecodeSequence) -> None:
         cfg = self.config
         seq.state = JacobiState(Block(self._fresh(seq.history, cfg.block_size - 1)), [],
-                                NgramPool(cfg.ngram_size, cfg.pool_size))
+                                NgramPool(cfg.ngram_size, cfg.pool_size),
+                                SuffixIndex(cfg.context_match_sizes) if cfg.context_tokens else None)
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         out = []
@@ -193,6 +206,10 @@ class JacobiMode(Mode):
             st = s.state
             d = len(st.ra.tokens)
             cands = st.pool.candidates(s.pending, self.config.verify_size) if d else []
+            if st.index is not None and d:
+                found = st.index.propose(s.history, min(d, self.config.context_tokens))
+                if found and found != st.ra.tokens[: len(found)] and found not in cands:
+                    cands = [found] + cands
             st.candidates = [c[:d] for c in cands]
             lay, starts = build_layout(s.pending, st)
             st.starts = starts

@@ -118,6 +118,10 @@ class StepContext:
     def all_greedy(self) -> bool:
         return bool(self.greedy.all())
 
+    def select(self, rows: torch.Tensor) -> StepContext:
+        """The context of a subset of the batch's rows."""
+        return StepContext(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seeds[rows], self.ops)
+
     @staticmethod
     def from_params(params: list[SamplingParams], seeds: torch.Tensor, ops: VerifyOps = REFERENCE_OPS) -> StepContext:
         dev = seeds.device

@@ -1,0 +1,169 @@
+"""Context n-gram candidates verified beside a mode's own proposals (ISD, RISD, JACOBI):
+greedy output equals greedy AR with the candidate branch both winning and losing, sampled ISD
+keeps AR's distribution with candidates in the tree, the multi-path rule reduces to the
+single-draft rule, and a repeated span is decoded in fewer forwards."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import selfspec.decoding.isd as isd
+from selfspec.decoding import rng
+from selfspec.decoding.isd import build_tree_layout
+from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.step import branch_visibility
+from selfspec.decoding.tree_verify import DraftPath, PathResult, verify_paths
+from selfspec.decoding.verify import speculative_verify_reference
+from selfspec.engines.hf import HFEngine
+from selfspec.engines.testing import (
+    add_mask_token, chi_square_pvalue, compare_greedy, exact_distribution, random_prompts, save_random_adapter,
+    tiny_qwen3,
+)
+
+VOCAB = 128
+MAX_NEW = 24
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = tiny_qwen3(VOCAB, seed=11).eval()
+    mask_id = add_mask_token(model)
+    prompts = random_prompts(48, VOCAB, 1, 16, seed=5)
+    reference = HFEngine(model).generate(prompts, MAX_NEW, stop_token_ids=[], batch_size=16)
+    adapter = save_random_adapter(model, tmp_path_factory.mktemp("adapter"), rank=4)
+    return model, mask_id, prompts, reference, str(adapter)
+
+
+@pytest.fixture
+def tree_outcomes(monkeypatch):
+    """Which path won each tree step (0: the proposals, 1: the context candidate)."""
+    seen: Counter = Counter()
+    original = isd.verify_paths
+
+    def spy(*args, **kwargs):
+        res = original(*args, **kwargs)
+        seen[res.path] += 1
+        return res
+
+    monkeypatch.setattr(isd, "verify_paths", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mode, config", [
+    ("isd", {"stride": 3, "context_tokens": 4}),
+    ("isd", {"stride": 4, "context_tokens": 6, "context_tail": False, "fixed_width": False}),
+    ("risd", {"stride": 3, "context_tokens": 5, "context_match_sizes": (2,)}),
+])
+def test_isd_with_candidates_is_greedy_ar(setup, tree_outcomes, mode, config):
+    model, mask_id, prompts, reference, adapter = setup
+    engine = HFEngine(model, mask_token_id=mask_id, adapter=adapter if mode == "risd" else None)
+    for bs in (1, 8):
+        outs = engine.generate(prompts, MAX_NEW, stop_token_ids=[], mode=mode, mode_config=config, batch_size=bs)
+        cmp = compare_greedy(model, prompts, [o.token_ids for o in outs], [o.token_ids for o in reference])
+        assert not cmp.failures and cmp.excused == 0, "\n".join(cmp.failures)
+    # the candidate branch both won and lost steps: the comparison above covered both outcomes
+    assert tree_outcomes[0] > 0 and tree_outcomes[1] > 0, tree_outcomes
+
+
+def test_jacobi_with_context_candidate_is_greedy_ar(setup):
+    model, _, prompts, reference, _ = setup
+    engine = HFEngine(model)
+    plain = engine.generate(prompts, MAX_NEW, stop_token_ids=[], mode="jacobi", batch_size=8)
+    outs = engine.generate(prompts, MAX_NEW, stop_token_ids=[], mode="jacobi", mode_config={"context_tokens": 7},
+                           batch_size=8)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    forwards = lambda xs: sum(o.metrics.forwards for o in xs)  # noqa: E731
+    assert forwards(outs) < forwards(plain)  # the candidate won steps the pool could not
+
+
+def test_tree_layout_shares_the_common_prefix():
+    lay, plan = build_tree_layout(9, [1, 2, 3], [1, 2, 7, 8], stride=4, mask_token_id=0, tail=True)
+    # trunk: pending, 1, 2; branch 1: 3 + 3 MASK; branch 2: 7, 8 + 3 MASK
+    assert lay.tokens == [9, 1, 2, 3, 0, 0, 0, 7, 8, 0, 0, 0]
+    assert lay.offsets == [0, 1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 7]
+    a, b = plan.paths
+    assert (a.tokens, a.rows, a.end_row) == ([1, 2, 3], [0, 1, 2], 3)
+    assert (b.tokens, b.rows, b.end_row) == ([1, 2, 7, 8], [0, 1, 2, 7], 8)
+    assert plan.mask_rows == [[4, 5, 6], [9, 10, 11]]
+    seen = branch_visibility(torch.tensor(lay.branch))
+    assert not seen[7, 3] and seen[7, 2] and seen[11, 8] and not seen[11, 6]  # branches see the trunk, not each other
+    assert lay.gate == [t == 0 and i > 0 for i, t in enumerate(lay.tokens)]
+
+
+def test_single_path_rule_is_the_verify_rule():
+    """One path through `verify_paths` decides exactly as speculative_verify_reference (one-hot q)."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        logits = torch.randn(4, 11, generator=gen) * 2
+        drafts = torch.randint(0, 11, (3,), generator=gen)
+        drafts[0] = logits[0].argmax() if trial % 2 else drafts[0]
+        seeds = rng.draw_seeds((4,), gen)
+        ref = speculative_verify_reference(logits[None], drafts[None], torch.tensor([3]), seeds[None], 0.9, 0, 1.0)
+        got = verify_paths(logits, [DraftPath(drafts.tolist(), [0, 1, 2], 3)], seeds, 0.9)
+        assert (got.accepted, got.next_token) == (int(ref.accept_len), int(ref.next_tokens))
+
+
+def test_two_paths_keep_the_distribution_of_each_position():
+    """Two one-hot candidates at the same node: the emitted token is distributed as p."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=gen)
+    p = torch.softmax(logits[0], -1)
+    paths = [DraftPath([int(p.argmax())], [0], 1), DraftPath([int(p.argsort()[-2])], [0], 2)]
+    counts = Counter()
+    for i in range(20_000):
+        res = verify_paths(logits, paths, torch.tensor([i, i + 7]), 1.0)
+        counts[paths[res.path].tokens[0] if res.accepted else res.next_token] += 1
+    stat, pvalue, dof = chi_square_pvalue(Counter({(t,): c for t, c in counts.items()}),
+                                          {(t,): float(p[t]) for t in range(6)})
+    assert pvalue > 0.01, (stat, dof, counts)
+
+
+def test_sampled_isd_with_candidates_keeps_ar_sampling(tree_outcomes):
+    model = tiny_qwen3(8, hidden_size=32, seed=4, initializer_range=0.3).eval()
+    mask_id = add_mask_token(model)
+    engine = HFEngine(model, mask_token_id=mask_id)
+    prompt, steps, sampling = [1, 2, 3, 1], 3, SamplingParams(1.0)
+    exact = exact_distribution(model, prompt, steps, sampling)
+    outs = engine.generate([prompt] * 20_000, steps + 1, sampling, seed=list(range(20_000)), stop_token_ids=[],
+                           mode="isd", mode_config={"stride": 3, "context_tokens": 3, "context_match_sizes": (1,)},
+                           batch_size=5000)
+    counts = Counter(tuple(o.token_ids[:steps]) for o in outs)
+    stat, pvalue, dof = chi_square_pvalue(counts, exact)
+    assert pvalue > 0.01, (stat, dof)
+    assert tree_outcomes[0] > 100 and tree_outcomes[1] > 100, tree_outcomes
+
+
+def test_sampling_test_would_see_a_biased_rule(monkeypatch):
+    """The statistical check above has teeth: always accepting a candidate is caught."""
+    model = tiny_qwen3(8, hidden_size=32, seed=4, initializer_range=0.3).eval()
+    mask_id = add_mask_token(model)
+    engine = HFEngine(model, mask_token_id=mask_id)
+    prompt, steps, sampling = [1, 2, 3, 1], 3, SamplingParams(1.0)
+    original = isd.verify_paths
+
+    def greedy_on_candidates(logits, paths, seeds, *args, **kwargs):
+        res = original(logits, paths, seeds, *args, **kwargs)
+        return PathResult(1, 1, res.next_token) if len(paths[1].tokens) > 1 else res
+
+    monkeypatch.setattr(isd, "verify_paths", greedy_on_candidates)
+    exact = exact_distribution(model, prompt, steps, sampling)
+    outs = engine.generate([prompt] * 5000, steps + 1, sampling, seed=list(range(5000)), stop_token_ids=[],
+                           mode="isd", mode_config={"stride": 3, "context_tokens": 3, "context_match_sizes": (1,)},
+                           batch_size=5000)
+    _, pvalue, _ = chi_square_pvalue(Counter(tuple(o.token_ids[:steps]) for o in outs), exact)
+    assert pvalue < 0.01
+
+
+def test_repeated_span_takes_fewer_forwards():
+    engine = HFEngine.from_pretrained("tiny-idlm")
+    ids = engine.encode("import os\nimport sys\nimport re\nimport os\nimport sys\nimport re\nimport os\n")
+    (plain,) = engine.generate([ids], 64, stop_token_ids=[], mode="isd")
+    (ctx,) = engine.generate([ids], 64, stop_token_ids=[], mode="isd", mode_config={"context_tokens": 8})
+    assert ctx.token_ids == plain.token_ids
+    assert ctx.metrics.tokens_per_forward >= plain.metrics.tokens_per_forward + 0.5, (
+        ctx.metrics.tokens_per_forward, plain.metrics.tokens_per_forward)
