@@ -1,5 +1,6 @@
 """Sampling: the verify rule alone against its analytical output distribution, and AR, ISD
-(tau = 0), RISD and probabilistic SJD against the exact distribution of the first three tokens
+(tau = 0; argmax and sampled proposals, with and without context candidates), RISD and
+probabilistic SJD against the exact distribution of the first three tokens
 of a 9-token-vocabulary model (chi-square at alpha = 0.01 over 20,000 seeded samples). For
 tau > 0 the exact ISD output distribution is derived and both the empirical fit and the total
 variation distance it introduces are reported."""
@@ -107,6 +108,10 @@ CASES = [
     ("isd", {"stride": 3}, SamplingParams(1.0)),
     ("isd", {"stride": 2, "fixed_width": False}, SamplingParams(0.8, top_k=6, top_p=0.9)),
     ("risd", {"stride": 3}, SamplingParams(1.0)),
+    ("isd", {"stride": 3, "proposal": "sample"}, SamplingParams(1.0)),
+    ("isd", {"stride": 2, "proposal": "sample", "fixed_width": False}, SamplingParams(0.8, top_k=6, top_p=0.9)),
+    ("isd", {"stride": 3, "proposal": "sample", "context_tokens": 3, "context_match_sizes": (1,)}, SamplingParams(1.0)),
+    ("risd", {"stride": 3, "proposal": "sample"}, SamplingParams(1.0)),
     ("sjd", {"window": 3, "history_offset": 1}, SamplingParams(1.0)),
     ("sjd", {"window": 2, "history_offset": 2}, SamplingParams(0.8, top_k=6, top_p=0.9)),
     ("ngram", {"num_draft": 2, "match_sizes": (1,)}, SamplingParams(1.0)),

@@ -7,13 +7,16 @@ starts at the pending token's row and goes down the tree of paths:
 
 - greedy: the child equal to the row's argmax is accepted; the first row whose argmax is no
   child (or a path's end) gives the next token. Exactly greedy AR.
-- sampled, all drafts deterministic (one-hot q): at each node the children are tried in order,
-  child c accepted with probability r(c) / sum(r), where r starts as the row's AR distribution p
-  and loses each rejected child; when every child is rejected (or there is none: the bonus
-  token) the next token is drawn from r. Each token is then distributed exactly as p (the
-  multi-draft form of the p/q rule with one-hot q: P(c_1) = p(c_1), P(c_2) = (1 - p(c_1)) ·
-  p(c_2) / (1 - p(c_1)), the rest proportional to p). With tau > 0 the accept test is relaxed
-  to (1 + tau) · r(c) / sum(r), as in `verify.speculative_verify_reference`, and is not lossless.
+- sampled: recursive rejection sampling over the node's children, tried in order. r starts as
+  the row's AR distribution p; child c, drawn from q (a dense proposal distribution, or one-hot
+  for a deterministic draft such as a context candidate or an argmax proposal), is accepted with
+  probability min(1, r(c) / q(c)) (r normalised); on rejection r becomes max(0, r - q); when
+  every child is rejected (or there is none: the bonus token) the next token is drawn from r.
+  Each emitted token is then distributed exactly as p (for one-hot drafts: P(c_1) = p(c_1),
+  P(c_2) = (1 - p(c_1)) · p(c_2) / (1 - p(c_1)), the rest proportional to p). Children with a
+  dense q are tried one path at a time (their draws are independent); one-hot children are
+  grouped by token. With tau > 0 the accept test is relaxed to (1 + tau) · r(c) / q(c), as in
+  `verify.speculative_verify_reference`, and is not lossless.
 
 Randomness: child j of depth d uses uniform(seed[d], -j), the draw at depth d uses
 gumbel(seed[d], v + 1): offsets disjoint from the Gumbel ones (a shared offset would tie a
@@ -36,6 +39,7 @@ class DraftPath:
     tokens: list[int]  # the drafts, in order
     rows: list[int]  # rows[i]: the logits row that judges tokens[i]
     end_row: int  # the row that gives the token after the last draft (the bonus)
+    probs: torch.Tensor | None = None  # [len(tokens), V] the distributions the drafts were drawn from; None: one-hot
 
 
 @dataclass
@@ -59,12 +63,13 @@ def verify_paths(
     depth = 0
     greedy = temperature <= 0
     while True:
-        children: dict[int, list[int]] = {}
+        children: dict[tuple[int, int], torch.Tensor | None] = {}  # (token, dense path or -1) -> q row
         rows = set()
         for p in alive:
             path = paths[p]
             if depth < len(path.tokens):
-                children.setdefault(path.tokens[depth], []).append(p)
+                dense = path.probs is not None
+                children.setdefault((path.tokens[depth], p if dense else -1), path.probs[depth] if dense else None)
                 rows.add(path.rows[depth])
             else:
                 rows.add(path.end_row)
@@ -73,29 +78,38 @@ def verify_paths(
         row = logits[rows.pop()]
         if greedy:
             token = int(row.argmax())
-            if token in children:
-                alive, depth = children[token], depth + 1
+            if any(t == token for t, _ in children):
+                alive, depth = _holding(paths, alive, depth, token), depth + 1
                 continue
             return PathResult(_finished(paths, alive, depth), depth, token)
         residual = logits_to_probs(row, temperature, top_k, top_p)
         seed = seeds[depth]
         accepted = None
-        for j, (token, holders) in enumerate(children.items()):
+        for j, ((token, _), q) in enumerate(children.items()):
             mass = residual.sum() if j else 1.0  # the first child is judged by p itself, as in verify.py
+            q_token = 1.0 if q is None else q[token].float()
             u = rng.uniform(seed, torch.tensor(-j, device=seed.device))
-            if mass > 0 and u * mass < (1.0 + tau) * residual[token]:
-                accepted = holders
+            if mass > 0 and u * q_token * mass < (1.0 + tau) * residual[token]:
+                accepted = token
                 break
-            residual = residual.clone()
-            residual[token] = 0.0
+            if q is None:
+                residual = residual.clone()
+                residual[token] = 0.0
+            else:
+                residual = (residual / mass - q.float()).clamp_min(0.0)
         if accepted is not None:
-            alive, depth = accepted, depth + 1
+            alive, depth = _holding(paths, alive, depth, accepted), depth + 1
             continue
         if not residual.sum() > 0:  # only through rounding: p's mass sat on rejected children
             residual = logits_to_probs(row, temperature, top_k, top_p)
         noise = rng.gumbel(seed, torch.arange(1, residual.shape[-1] + 1, device=residual.device))
         token = int((residual.log() + noise).argmax())
         return PathResult(_finished(paths, alive, depth), depth, token)
+
+
+def _holding(paths: list[DraftPath], alive: list[int], depth: int, token: int) -> list[int]:
+    """The alive paths whose draft at `depth` is `token` (they share the row below it)."""
+    return [p for p in alive if depth < len(paths[p].tokens) and paths[p].tokens[depth] == token]
 
 
 def _finished(paths: list[DraftPath], alive: list[int], depth: int) -> int:
