@@ -9,6 +9,9 @@ import shutil
 import pytest
 
 from selfspec.benchmarks import offline
+from selfspec.benchmarks.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
+from selfspec.decoding.metrics import SequenceMetrics
+from selfspec.engines.generate import GenerationOutput
 from selfspec.engines.testing import save_random_adapter, tiny_qwen3
 from selfspec.models import ASSETS_DIR
 
@@ -70,6 +73,13 @@ def test_greedy_benchmark_reports_every_mode(model_dir, capsys):
         assert 0 <= r["repetition_loops"] <= len(PROMPTS)
         assert r["mean_accepted_length"] >= 1.0 and r["compute_overhead"] >= 1.0
     assert modes["ar"]["tpf"] == 1.0 and modes["ar"]["wall_ratio_vs_ar"] == 1.0
+    for name in ("ar", "ngram", "jacobi", "sjd", "isd"):  # batches of 3: no per-output time, NL TPF only
+        nl = modes[name]["non_loop"]
+        assert nl["outputs"] == len(PROMPTS) - modes[name]["repetition_loops"] and nl["timing"] == "per-batch"
+        assert nl["wall_s"] is None and nl["tokens_per_s"] is None and nl["ratio_vs_ar"] is None
+        if nl["outputs"]:
+            assert nl["tpf"] == pytest.approx(nl["tokens"] / nl["forwards"])
+    assert "NL TPF" in table and "--batch-size 1" in table
 
 
 def test_sampling_benchmark_with_adapter(model_dir):
@@ -93,9 +103,12 @@ def test_model_without_mask_token_skips_isd(tmp_path):
     prompts.write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n" + json.dumps({"prompt_ids": [4, 5]}) + "\n")
     out = tmp_path / "r.json"
     assert _run(["--model", str(tmp_path / "m"), "--prompts", str(prompts), "--modes", "isd",
-                 "--max-new-tokens", "6", "--json", str(out)]) == 0
+                 "--max-new-tokens", "6", "--batch-size", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["modes"]
     assert [r["status"] for r in rows] == ["ok", "skipped"] and "MASK" in rows[1]["reason"]
+    nl = rows[0]["non_loop"]  # 6 tokens cannot loop; one prompt per batch: per-output time
+    assert nl["outputs"] == 2 and nl["tokens"] == rows[0]["tokens"] and nl["timing"] == "per-output"
+    assert nl["wall_s"] == pytest.approx(rows[0]["wall_s"]) and nl["ratio_vs_ar"] == 1.0
 
 
 def test_repetition_loop_detector():
@@ -104,6 +117,72 @@ def test_repetition_loop_detector():
     assert not offline.is_repetition_loop(list(range(40)))
     assert not offline.is_repetition_loop([7] * 10)  # too short to call
     assert not offline.is_repetition_loop([1, 2] * 10 + [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])
+
+
+LOOPING = [[1, 2, 3] + [7] * 20, list(range(10)) + [4, 5, 6] * 8]
+NOT_LOOPING = [list(range(40)), [7] * 10]
+
+
+def test_non_loop_summary_counts_only_outputs_that_do_not_loop():
+    stats = [OutputStat(LOOPING[0], 5, 1.0), OutputStat(NOT_LOOPING[0], 20, 2.0), OutputStat(LOOPING[1], 4, 1.0),
+             OutputStat(NOT_LOOPING[1], 5, 0.5)]
+    nl = non_loop_summary(stats)
+    assert nl == {"outputs": 2, "tokens": 50, "forwards": 25, "tpf": 2.0, "wall_s": 2.5, "tokens_per_s": 20.0,
+                  "ratio_vs_ar": None}
+    ar = non_loop_summary([OutputStat(NOT_LOOPING[0], 40, 4.0)])
+    set_ratio_vs_ar(nl, ar)
+    assert ar["tpf"] == 1.0 and nl["ratio_vs_ar"] == pytest.approx(2.0)
+    untimed = non_loop_summary([OutputStat(NOT_LOOPING[0], 20, None), OutputStat(LOOPING[0], 5, 1.0)])
+    assert untimed["tpf"] == 2.0 and untimed["wall_s"] is None and untimed["tokens_per_s"] is None
+    set_ratio_vs_ar(untimed, ar)
+    assert untimed["ratio_vs_ar"] is None
+    none_left = non_loop_summary([OutputStat(t, 3, 1.0) for t in LOOPING])
+    assert none_left["outputs"] == 0 and none_left["tpf"] is None and none_left["tokens_per_s"] is None
+    assert non_loop_summary([OutputStat(NOT_LOOPING[0], 10, 1.0, tokens=30)])["tokens"] == 30  # a server's count
+
+
+class _StubMode:
+    config = None
+    greedy_only = False
+
+
+class _StubEngine:
+    """Prompt [i] decodes to OUTPUTS[i] in `forwards` forwards; records the seeds it was given."""
+
+    def __init__(self, outputs, forwards):
+        self.outputs, self.forwards, self.seeds = outputs, forwards, []
+
+    def build_mode(self, mode, config=None):
+        return _StubMode()
+
+    def generate(self, prompts, max_new_tokens, sampling, seed=None, mode=None, stop_token_ids=None, batch_size=None):
+        if mode is None:  # warm-up
+            return []
+        self.seeds.append(list(seed))
+        return [GenerationOutput(self.outputs[p[0]], "length",
+                                 SequenceMetrics(forwards=self.forwards[p[0]], committed_tokens=len(self.outputs[p[0]])))
+                for p in prompts]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_rows_split_looping_and_non_looping_outputs(batch_size):
+    outputs = [LOOPING[0], NOT_LOOPING[0], LOOPING[1], NOT_LOOPING[1]]
+    engine = _StubEngine(outputs, forwards=[5, 20, 4, 5])
+    rows = offline.run_benchmark(engine, [[0], [1], [2], [3]], ["ar"], batch_size=batch_size, seed=7, log=lambda *a: None)
+    assert engine.seeds == ([[7], [8], [9], [10]] if batch_size == 1 else [[7, 8], [9, 10]])  # seed + index, as one call
+    (row,) = rows
+    assert row["repetition_loops"] == 2 and row["tokens"] == sum(map(len, outputs)) and row["forwards"] == 34
+    nl = row["non_loop"]
+    assert (nl["outputs"], nl["tokens"], nl["forwards"], nl["tpf"]) == (2, 50, 25, 2.0)
+    if batch_size == 1:
+        assert nl["timing"] == "per-output" and 0 < nl["wall_s"] < row["wall_s"]
+        assert nl["tokens_per_s"] == pytest.approx(50 / nl["wall_s"]) and nl["ratio_vs_ar"] == 1.0
+    else:
+        assert nl["timing"] == "per-batch" and nl["wall_s"] is None and nl["ratio_vs_ar"] is None
+    table = offline.format_table(rows)
+    head, ar_line = table.splitlines()[:2]
+    assert head.endswith("NL  NL TPF  NL xAR") and ar_line.split()[-3:] == (
+        ["2", "2.00", "1.00x"] if batch_size == 1 else ["2", "2.00", "-"])
 
 
 def test_prompt_file_errors(tmp_path):

@@ -24,6 +24,58 @@ def test_unknown_mode_is_refused():
         serve.run(parser.parse_args(["--modes", "ar,medusa"]))
 
 
+def _request(token_ids, e2e, verify_ct=None):
+    r = {"e2e": e2e, "ttft": 0.01, "tokens": len(token_ids), "token_ids": token_ids, "tpot": 0.01}
+    if verify_ct is not None:
+        r["verify_ct"] = verify_ct
+    return r
+
+
+LOOP, NO_LOOP = [1, 2, 3] + [7] * 20, list(range(40))
+
+
+def test_levels_split_looping_and_non_looping_requests():
+    results = [_request(LOOP, 1.0, 3), _request(NO_LOOP, 2.0, 19), _request(NO_LOOP[:10], 0.5)]  # last: prefill only
+    split = serve.loop_split(results, has_verify=True)
+    assert split["repetition_loops"] == 1 and split["per_request_tok_s"] == pytest.approx(73 / 3.5)
+    assert split["non_loop"] == {"outputs": 2, "tokens": 50, "forwards": 21, "tpf": 50 / 21, "wall_s": 2.5,
+                                 "tokens_per_s": 20.0, "ratio_vs_ar": None}
+    assert serve.loop_split(results, has_verify=False)["non_loop"]["tpf"] is None  # forwards unknown
+    no_ids = serve.loop_split([dict(results[0], token_ids=None)], has_verify=True)
+    assert no_ids["repetition_loops"] is None and no_ids["non_loop"] is None
+
+
+def _report(temperature, device="cpu"):
+    def level(tok_s, nl_tok_s):
+        return {"concurrency": 1, "requests": 2, "tokens": 40, "output_tok_s": tok_s, "tpot_ms_p50": 1.0,
+                "tpot_ms_p99": 2.0, "tpf": 1.5, "genai_bench": None, "per_request_tok_s": tok_s,
+                "repetition_loops": 1, "non_loop": {"outputs": 1, "tokens": 20, "forwards": 10, "tpf": 2.0,
+                                                    "wall_s": 20 / nl_tok_s, "tokens_per_s": nl_tok_s,
+                                                    "ratio_vs_ar": None}}
+
+    return {"temperature": temperature, "device": device, "results": [
+        {"mode": "ar", "status": "ok", "reason": None, "levels": [level(10.0, 8.0)], "notes": []},
+        {"mode": "ngram", "status": "ok", "reason": None, "levels": [level(30.0, 12.0)], "notes": []},
+        {"mode": "risd", "status": "skipped", "reason": "no RISD adapter", "levels": [], "notes": []}]}
+
+
+def test_report_ratios_and_the_ngram_note():
+    assert serve.ngram_verifies_greedily("cpu")
+    report = _report(0.7)
+    serve.finish_report(report)
+    ar, ngram = report["results"][0]["levels"][0], report["results"][1]["levels"][0]
+    assert ar["ratio_vs_ar"] == 1.0 and ar["non_loop"]["ratio_vs_ar"] == 1.0
+    assert ngram["ratio_vs_ar"] == 3.0 and ngram["non_loop"]["ratio_vs_ar"] == pytest.approx(1.5)
+    assert report["results"][1]["notes"] == [serve.NGRAM_GREEDY_NOTE] and report["results"][0]["notes"] == []
+    table = serve.format_table(report)
+    ngram_row = next(line for line in table.splitlines() if line.startswith("ngram"))
+    assert ngram_row.endswith("[NGRAM verifies greedily on this build]") and "1/2" in ngram_row
+    assert "note (ngram): NGRAM verifies greedily" in table and "risd" in table and "NL xAR" in table
+    greedy = _report(0.0)
+    serve.finish_report(greedy)
+    assert all(r["notes"] == [] for r in greedy["results"])
+
+
 @pytest.mark.server
 def test_bench_serve_ar_and_sjd(tmp_path, tiny_base_path):
     parser = argparse.ArgumentParser()
@@ -47,5 +99,10 @@ def test_bench_serve_ar_and_sjd(tmp_path, tiny_base_path):
             assert lv["errors"] == 0 and lv["tokens"] > 0 and lv["output_tok_s"] > 0
             assert lv["tpot_ms_p50"] > 0 and lv["tpf"] >= 1.0
             assert lv["ratio_vs_ar"] is not None
+            nl = lv["non_loop"]  # the server returned every request's token ids; 12 tokens cannot loop
+            assert lv["repetition_loops"] == 0 and nl["outputs"] == lv["requests"] and nl["tokens"] == lv["tokens"]
+            assert nl["tpf"] == pytest.approx(lv["tpf"]) and nl["tokens_per_s"] == pytest.approx(lv["per_request_tok_s"])
+            assert nl["ratio_vs_ar"] is not None
+        assert by_mode[mode]["notes"] == []
     assert all(lv["ratio_vs_ar"] == pytest.approx(1.0) for lv in by_mode["ar"]["levels"])
     assert png.stat().st_size > 0

@@ -5,8 +5,13 @@
 
 `--prompts` is JSON lines, one {"prompt": "text"} (or {"prompt_ids": [ints]}) per line. AR always
 runs first (added if not listed): it is the reference for the wall-clock ratio and, under greedy
-decoding, for the exact-match rate. Each mode decodes every prompt once; time is wall clock
-around `HFEngine.generate` (after one short warm-up generate). A mode the model cannot run
+decoding, for the exact-match rate. Each mode decodes every prompt once, `--batch-size` prompts
+per `HFEngine.generate` call (after one short warm-up generate); time is wall clock around each
+call, summed. Besides all outputs, each mode is reported on its outputs that do not end in a
+repetition loop (`non_loop`; which outputs loop is decided per mode from that mode's own outputs,
+see `repetition.py`): their TPF always, their tokens/s and its ratio to AR's non-looping tokens/s
+only when each output's own wall time is known, i.e. with `--batch-size 1` (a batch's time cannot
+be split between its outputs: with larger batches those fields are null). A mode the model cannot run
 (ISD without a [MASK] token, RISD without an adapter, JACOBI when sampling) is reported as
 "skipped" with the reason; an unexpected failure as "error" (exit status 1).
 
@@ -35,6 +40,14 @@ JSON schema (`schema` = "selfspec.bench.offline/v1"; keys are only ever added):
           "mean_accepted_length": float,        # tokens committed per decode forward (prefill excl.)
           "compute_overhead": float,            # query tokens per committed token (AR = 1)
           "repetition_loops": int,              # outputs ending in a repetition loop (`is_repetition_loop`)
+          "non_loop": {                         # this mode's outputs that do not end in a loop
+            "outputs": int, "tokens": int, "forwards": int,
+            "tpf": float | null,                # their tokens / their forwards (null: no such output)
+            "wall_s": float | null,             # their summed wall time (null unless batch_size is 1)
+            "tokens_per_s": float | null,       # their tokens / wall_s
+            "ratio_vs_ar": float | null,        # tokens_per_s / AR's non_loop tokens_per_s; > 1 is faster
+            "timing": "per-output" | "per-batch"   # per-batch: no per-output time, the null fields above
+          },
           "accept_hist": {"k": count},          # decode forwards that committed k tokens
           "finish_reasons": {"stop": int, "length": int}
         }, ...
@@ -52,23 +65,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from selfspec.benchmarks.repetition import OutputStat, is_repetition_loop, non_loop_summary, set_ratio_vs_ar
+
 SCHEMA = "selfspec.bench.offline/v1"
 DEFAULT_MODES = "ar,ngram,jacobi,sjd,isd,risd"
-
-
-def is_repetition_loop(tokens: list[int], max_period: int = 16, min_span: int = 16, min_repeats: int = 4) -> bool:
-    """True when the output ends in a loop: for some period P <= max_period, its last
-    max(min_span, min_repeats * P) tokens repeat with period P (t[i] == t[i - P])."""
-    n = len(tokens)
-    for period in range(1, max_period + 1):
-        span = max(min_span, min_repeats * period)
-        if span + period > n:
-            break
-        tail = tokens[n - span :]
-        prev = tokens[n - span - period : n - period]
-        if tail == prev:
-            return True
-    return False
 
 
 def load_prompts(
@@ -157,6 +157,7 @@ def run_benchmark(
     rows: list[dict[str, Any]] = []
     ar_tokens: list[list[int]] | None = None
     ar_wall: float | None = None
+    ar_non_loop: dict[str, Any] | None = None
     for mode in order:
         row: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "config": None}
         config = dict(mode_configs.get(mode, {}))
@@ -168,10 +169,9 @@ def run_benchmark(
             row["config"] = dataclasses.asdict(cfg_obj) if dataclasses.is_dataclass(cfg_obj) else None
             if mode_obj.greedy_only and not sampling.greedy:
                 raise ModeUnavailable(f"{mode.upper()} is greedy only; run it with --temperature 0")
-            start = time.perf_counter()
-            outs = engine.generate(prompt_ids, max_new_tokens, sampling, seed=seed, mode=mode_obj,
-                                   batch_size=batch_size)
-            wall = time.perf_counter() - start
+            outs, batch_walls = _generate_timed(engine, prompt_ids, max_new_tokens, sampling, seed, mode_obj,
+                                                batch_size)
+            wall = sum(batch_walls)
         except ModeUnavailable as exc:
             row.update(status="skipped", reason=str(exc))
             rows.append(row)
@@ -184,8 +184,15 @@ def run_benchmark(
             continue
         tokens = [o.token_ids for o in outs]
         agg = aggregate(o.metrics for o in outs)
+        size = batch_size or len(prompt_ids)
+        per_output = size == 1
+        non_loop = non_loop_summary(
+            OutputStat(o.token_ids, o.metrics.forwards, batch_walls[i // size] if per_output else None)
+            for i, o in enumerate(outs))
+        non_loop["timing"] = "per-output" if per_output else "per-batch"
         if mode == "ar":
-            ar_tokens, ar_wall = tokens, wall
+            ar_tokens, ar_wall, ar_non_loop = tokens, wall, non_loop
+        set_ratio_vs_ar(non_loop, ar_non_loop)
         total = sum(len(t) for t in tokens)
         finish: dict[str, int] = {}
         for o in outs:
@@ -203,6 +210,7 @@ def run_benchmark(
             mean_accepted_length=agg["mean_accepted_length"],
             compute_overhead=agg["compute_overhead"],
             repetition_loops=sum(is_repetition_loop(t) for t in tokens),
+            non_loop=non_loop,
             accept_hist=agg["accept_hist"],
             finish_reasons=finish,
         )
@@ -211,21 +219,45 @@ def run_benchmark(
     return rows
 
 
+def _generate_timed(engine, prompt_ids, max_new_tokens, sampling, seed, mode_obj, batch_size):
+    """`engine.generate` one batch at a time, timing each; the outputs equal one call's (each prompt
+    keeps its seed, seed + its index in the whole request). Returns (outputs, [seconds per batch])."""
+    from selfspec.decoding.seeds import base_seeds
+
+    seeds = base_seeds(seed, len(prompt_ids))
+    size = batch_size or len(prompt_ids)
+    outs, walls = [], []
+    for start in range(0, len(prompt_ids), size):
+        t0 = time.perf_counter()
+        outs.extend(engine.generate(prompt_ids[start : start + size], max_new_tokens, sampling,
+                                    seed=seeds[start : start + size], mode=mode_obj))
+        walls.append(time.perf_counter() - t0)
+    return outs, walls
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ["mode", "status", "TPF", "tok/s", "wall/AR", "speedup", "exact", "acc.len", "overhead", "loops"]
+    head = ["mode", "status", "TPF", "tok/s", "wall/AR", "speedup", "exact", "acc.len", "overhead", "loops",
+            "NL", "NL TPF", "NL xAR"]
     lines = [head]
     for r in rows:
         if r["status"] != "ok":
             lines.append([r["mode"], r["status"]] + ["-"] * (len(head) - 2))
             continue
         exact = "-" if r["exact_match_vs_ar"] is None else f"{100 * r['exact_match_vs_ar']:.0f}%"
+        nl = r["non_loop"]
         lines.append([
             r["mode"], "ok", f"{r['tpf']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['wall_ratio_vs_ar']:.2f}",
             f"{r['speedup_vs_ar']:.2f}x", exact, f"{r['mean_accepted_length']:.2f}", f"{r['compute_overhead']:.2f}",
-            str(r["repetition_loops"]),
+            str(r["repetition_loops"]), str(nl["outputs"]),
+            "-" if nl["tpf"] is None else f"{nl['tpf']:.2f}",
+            "-" if nl["ratio_vs_ar"] is None else f"{nl['ratio_vs_ar']:.2f}x",
         ])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
+    out.append("NL: outputs that do not end in a repetition loop (per mode); NL xAR: their tokens/s over AR's")
+    if any(r["status"] == "ok" and r["non_loop"]["timing"] == "per-batch" for r in rows):
+        out.append("NL xAR needs per-output time: run with --batch-size 1 (a batch's time is not split "
+                   "between its outputs)")
     for r in rows:
         if r["status"] != "ok":
             out.append(f"{r['mode']}: {r['status']}: {r['reason']}")

@@ -16,7 +16,14 @@ Reported per mode and concurrency: output tokens/s (all requests' completion tok
 wall time of the level), TPOT p50 / p99 (per request: (end - first token) / (tokens - 1)),
 TTFT p50, TPF (tokens per forward, prefill included: completion tokens / (decode forwards + 1),
 from the response's speculative details, or the server's aggregate), and the ratio of output
-tokens/s to AR's at the same concurrency measured in the same run.
+tokens/s to AR's at the same concurrency measured in the same run. The same numbers are reported
+for the requests whose output does not end in a repetition loop (`non_loop`; the output token ids
+come back with the response, and which requests loop is decided per mode from that mode's own
+outputs, see `repetition.py`): their TPF (their tokens / (their verify forwards + 1)) and their
+tokens/s, a per-request rate (their tokens over the sum of their own latencies), compared with
+AR's non-looping requests at the same concurrency; `per_request_tok_s` is that rate over all
+requests. Where a baseline cannot honour a setting the mode's row says so (`notes`): SGLang's
+builtin NGRAM verifies by argmax on CPU even when a temperature is set (`ngram_verifies_greedily`).
 
 JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
 
@@ -28,7 +35,16 @@ JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
                               "output_tok_s": float, "tpot_ms_p50": float, "tpot_ms_p99": float,
                               "ttft_ms_p50": float, "tpf": float | null, "ratio_vs_ar": float | null,
                               "errors": int,
-                              "genai_bench": {"output_tok_s": float, "tpot_ms_p50": float, ...} | null}]}]}
+                              "genai_bench": {"output_tok_s": float, "tpot_ms_p50": float, ...} | null,
+                              "per_request_tok_s": float,     # tokens / sum of request latencies
+                              "repetition_loops": int | null, # requests whose output ends in a loop
+                              "non_loop": {"outputs": int,    # requests that do not loop
+                                           "tokens": int, "forwards": int | null, "tpf": float | null,
+                                           "wall_s": float | null,  # sum of their latencies
+                                           "tokens_per_s": float | null,  # tokens / wall_s
+                                           "ratio_vs_ar": float | null}  # over AR's, same concurrency
+                                          | null}],           # null: the server returned no token ids
+                  "notes": [str]}]}                           # e.g. NGRAM's greedy verify under sampling
 """
 
 from __future__ import annotations
@@ -49,8 +65,31 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from selfspec.benchmarks.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
+
 SCHEMA = "selfspec.bench.serve/v1"
 DEFAULT_MODES = "ar,ngram,isd,risd,jacobi,sjd"
+NGRAM_GREEDY_NOTE = ("NGRAM verifies greedily on this build: its sampled rows are argmax outputs (every token "
+                     "after the first is the target's argmax, whatever the temperature)")
+
+
+def ngram_verifies_greedily(device: str) -> bool:
+    """Whether SGLang's builtin NGRAM commits argmax tokens even at temperature > 0 on `device`.
+
+    SGLang 0.5.23: the NGRAM worker verifies with `eagle_sample` (speculative/ngram_worker.py:27,
+    :479), which takes the greedy tree walk on argmax targets when `_verify_uses_greedy(...)` holds
+    (speculative/eagle_utils.py:641-660), and that is `is_all_greedy or is_cpu or is_xpu or (is_hip and
+    not use_rejection_sampling)` (eagle_utils.py:500): on the CPU engine (SGLANG_USE_CPU_ENGINE=1,
+    what `ServerProcess` starts without CUDA) every request is verified by argmax. On ROCm too
+    (NGRAM has no draft distribution for rejection sampling)."""
+    if device == "cpu":
+        return True
+    try:
+        import torch
+
+        return getattr(torch.version, "hip", None) is not None
+    except ImportError:
+        return False
 
 
 def mode_server_args(mode: str) -> list[str]:
@@ -105,7 +144,8 @@ def _one_request(client, prompt: str, max_tokens: int, temperature: float, ignor
     first = None
     tokens = None
     details = None
-    extra = {"return_spec_tokens_details": True}
+    token_ids: list[int] = []
+    extra = {"return_spec_tokens_details": True, "return_token_ids": True}
     if ignore_eos:
         extra["ignore_eos"] = True
     stream = client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=temperature,
@@ -113,6 +153,11 @@ def _one_request(client, prompt: str, max_tokens: int, temperature: float, ignor
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].text:
             first = time.perf_counter()
+        if chunk.choices:
+            choice = chunk.choices[0]
+            ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
+            if ids:
+                token_ids.extend(int(t) for t in ids)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         d = getattr(chunk, "sglext", None) or (chunk.model_extra or {}).get("sglext")
@@ -121,7 +166,7 @@ def _one_request(client, prompt: str, max_tokens: int, temperature: float, ignor
     end = time.perf_counter()
     first = first or end
     n = int(tokens or 0)
-    out = {"e2e": end - t0, "ttft": first - t0, "tokens": n,
+    out = {"e2e": end - t0, "ttft": first - t0, "tokens": n, "token_ids": token_ids if token_ids or not n else None,
            "tpot": (end - first) / (n - 1) if n > 1 else float("nan")}
     spec = None
     if isinstance(details, dict):
@@ -178,9 +223,26 @@ def run_level(base_url: str, prompts: list[str], concurrency: int, max_tokens: i
         "ttft_ms_p50": _percentile([r["ttft"] * 1e3 for r in results], 0.5),
         "errors": len(errors), "first_error": errors[0] if errors else None,
     }
-    if any("verify_ct" in r for r in results):  # a request that ended at its prefill reports no details
+    has_verify = any("verify_ct" in r for r in results)  # a request that ended at its prefill reports no details
+    if has_verify:
         level["tpf"] = tokens / sum(r.get("verify_ct", 0) + 1 for r in results)
+    level.update(loop_split(results, has_verify))
     return level
+
+
+def loop_split(results: list[dict], has_verify: bool) -> dict:
+    """The all / non-looping split of one level's requests (`_one_request` results): the level's
+    `per_request_tok_s`, `repetition_loops` and `non_loop` (None without every request's token ids)."""
+    latency = sum(r["e2e"] for r in results)
+    out: dict[str, Any] = {"per_request_tok_s": sum(r["tokens"] for r in results) / latency if latency > 0 else 0.0,
+                           "repetition_loops": None, "non_loop": None}
+    if any(r.get("token_ids") is None for r in results):
+        return out
+    stats = [OutputStat(r["token_ids"], r.get("verify_ct", 0) + 1 if has_verify else None, r["e2e"], r["tokens"])
+             for r in results]
+    out["repetition_loops"] = sum(o.loops for o in stats)
+    out["non_loop"] = non_loop_summary(stats)
+    return out
 
 
 def _tpf_from_stats(before: dict, after: dict) -> float | None:
@@ -260,8 +322,8 @@ def _mode_extra(mode: str, args, model_dir: Path) -> tuple[list[str] | None, str
 
     spec = registry.get(mode)
     extra = mode_server_args(mode)
-    for spec in args.mode_args:
-        name, _, rest = spec.partition("=")
+    for entry in args.mode_args:
+        name, _, rest = entry.partition("=")
         if name.strip().lower() == mode:
             extra += shlex.split(rest)
     if spec.needs_adapter and "--selfspec-lora" not in extra:
@@ -325,12 +387,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             os.environ["OMP_NUM_THREADS"] = env_backup
 
-    ar = next((r for r in report["results"] if r["mode"] == "ar" and r["status"] == "ok"), None)
-    ar_by_c = {lv["concurrency"]: lv["output_tok_s"] for lv in (ar["levels"] if ar else [])}
-    for r in report["results"]:
-        for lv in r.get("levels", []):
-            base = ar_by_c.get(lv["concurrency"])
-            lv["ratio_vs_ar"] = lv["output_tok_s"] / base if base else None
+    finish_report(report)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -339,6 +396,24 @@ def run(args: argparse.Namespace) -> int:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
     return 1 if any(r["status"] == "error" for r in report["results"]) else 0
+
+
+def finish_report(report: dict) -> None:
+    """Fill what needs every mode: the ratios to AR at each concurrency (all requests and the
+    non-looping ones), and the notes on rows whose baseline cannot honour the run's settings."""
+    from selfspec.decoding import registry
+
+    ar = next((r for r in report["results"] if r["mode"] == "ar" and r["status"] == "ok"), None)
+    ar_by_c = {lv["concurrency"]: lv for lv in (ar["levels"] if ar else [])}
+    greedy_ngram = report["temperature"] > 0 and ngram_verifies_greedily(report["device"])
+    for r in report["results"]:
+        notes = r.setdefault("notes", [])
+        if greedy_ngram and r["status"] == "ok" and registry.get(r["mode"]).builtin_sglang_algorithm == "NGRAM":
+            notes.append(NGRAM_GREEDY_NOTE)
+        for lv in r.get("levels", []):
+            base = ar_by_c.get(lv["concurrency"])
+            lv["ratio_vs_ar"] = lv["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else None
+            set_ratio_vs_ar(lv.get("non_loop"), (base or {}).get("non_loop"))
 
 
 def _mean_prompt_tokens(model_dir: Path, prompts: list[str]) -> int:
@@ -351,7 +426,8 @@ def _mean_prompt_tokens(model_dir: Path, prompts: list[str]) -> int:
 def _bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai, input_tokens,
                 ServerProcess, ServerSpec, free_port) -> dict:
     extra, skip = _mode_extra(mode, args, model_dir)
-    row: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "server_args": extra or [], "levels": []}
+    row: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "server_args": extra or [], "levels": [],
+                           "notes": []}
     if skip:
         row.update(status="skipped", reason=skip)
         print(f"[bench serve] {mode}: skipped ({skip})", file=sys.stderr)
@@ -379,6 +455,8 @@ def _bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai, 
             after = server_stats(proc.base_url)
             if "tpf" not in lv:
                 lv["tpf"] = 1.0 if mode == "ar" else _tpf_from_stats(before, after)
+                if mode == "ar" and lv["non_loop"] and lv["non_loop"]["outputs"]:  # AR: one forward per token
+                    lv["non_loop"].update(forwards=lv["non_loop"]["tokens"], tpf=1.0)
             lv["genai_bench"] = None
             row["levels"].append(lv)
             print(f"[bench serve] {mode:6s} C={c:<3d} {lv['output_tok_s']:8.1f} tok/s  TPOT p50 "
@@ -400,19 +478,36 @@ def _bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai, 
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'mode':8s} {'C':>4s} {'tok/s':>9s} {'xAR':>6s} {'TPOT p50':>9s} {'TPOT p99':>9s} {'TPF':>5s}"
-             f" {'genai tok/s':>11s}"]
+    def num(value, fmt: str) -> str:
+        return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+    head = ["mode", "C", "tok/s", "xAR", "TPOT p50", "TPOT p99", "TPF", "genai tok/s", "loops", "req tok/s",
+            "NL req tok/s", "NL xAR", "NL TPF"]
+    rows, tails = [head], [""]
     for r in report["results"]:
         if r["status"] != "ok":
-            lines.append(f"{r['mode']:8s} {r['status']}: {str(r['reason']).splitlines()[0] if r['reason'] else ''}")
+            rows.append([r["mode"], "", r["status"]] + [""] * (len(head) - 3))
+            tails.append(f": {str(r['reason']).splitlines()[0] if r['reason'] else ''}")
             continue
         for lv in r["levels"]:
-            ratio = f"{lv['ratio_vs_ar']:.2f}" if lv.get("ratio_vs_ar") else "  -"
-            tpf = f"{lv['tpf']:.2f}" if lv.get("tpf") is not None else "  -"
-            gb = (lv.get("genai_bench") or {}).get("output_tok_s")
-            gbs = f"{gb:11.1f}" if isinstance(gb, (int, float)) else f"{'-':>11s}"
-            lines.append(f"{r['mode']:8s} {lv['concurrency']:4d} {lv['output_tok_s']:9.1f} {ratio:>6s} "
-                         f"{lv['tpot_ms_p50']:9.1f} {lv['tpot_ms_p99']:9.1f} {tpf:>5s} {gbs}")
+            nl = lv.get("non_loop") or {}
+            loops = lv.get("repetition_loops")
+            rows.append([
+                r["mode"], str(lv["concurrency"]), num(lv["output_tok_s"], ".1f"), num(lv.get("ratio_vs_ar"), ".2f"),
+                num(lv["tpot_ms_p50"], ".1f"), num(lv["tpot_ms_p99"], ".1f"), num(lv.get("tpf"), ".2f"),
+                num((lv.get("genai_bench") or {}).get("output_tok_s"), ".1f"),
+                "-" if loops is None else f"{loops}/{lv['requests']}", num(lv.get("per_request_tok_s"), ".1f"),
+                num(nl.get("tokens_per_s"), ".1f"), num(nl.get("ratio_vs_ar"), ".2f"), num(nl.get("tpf"), ".2f"),
+            ])
+            tails.append("".join(f"  [{n.split(':')[0]}]" for n in r.get("notes") or []))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = [" ".join(row[0].ljust(widths[0]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
+             .rstrip() + tail for row, tail in zip(rows, tails)]
+    lines.append("NL: requests whose output does not end in a repetition loop (per mode); req tok/s: tokens over "
+                 "the sum of the requests' latencies; NL xAR: NL req tok/s over AR's at the same C")
+    for r in report["results"]:
+        for note in r.get("notes") or []:
+            lines.append(f"note ({r['mode']}): {note}")
     return "\n".join(lines)
 
 
