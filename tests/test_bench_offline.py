@@ -193,3 +193,14 @@ def test_prompt_file_errors(tmp_path):
     bad.write_text(json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match="tokenizer"):
         offline.load_prompts(bad)
+
+
+def test_mode_lists_take_labelled_variants():
+    from selfspec.benchmarks.modes import ModeRun, parse_modes
+
+    assert parse_modes("ngram,isd,isd-ctx=isd,ar") == [ModeRun("ar", "ar"), ModeRun("ngram", "ngram"),
+                                                        ModeRun("isd", "isd"), ModeRun("isd-ctx", "isd")]
+    with pytest.raises(ValueError, match="twice"):
+        parse_modes("isd,isd")
+    with pytest.raises(ValueError, match="unknown decoding mode"):
+        parse_modes("fast=eagle")

@@ -26,6 +26,7 @@ JSON schema (`schema` = "selfspec.bench.offline/v1"; keys are only ever added):
       "modes": [
         {
           "mode": str,                          # ar | ngram | jacobi | sjd | isd | risd
+          "label": str,                         # the row's name: the mode, or LABEL of a LABEL=MODE entry
           "status": "ok" | "skipped" | "error",
           "reason": str | null,                 # why skipped / the error
           "config": {...} | null,               # the mode's resolved configuration
@@ -65,6 +66,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from selfspec.benchmarks.modes import parse_modes
 from selfspec.benchmarks.repetition import OutputStat, is_repetition_loop, non_loop_summary, set_ratio_vs_ar
 
 SCHEMA = "selfspec.bench.offline/v1"
@@ -100,7 +102,9 @@ def load_prompts(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated modes (default {DEFAULT_MODES})")
+    parser.add_argument("--modes", default=DEFAULT_MODES,
+                        help=f"comma-separated modes (default {DEFAULT_MODES}); LABEL=MODE adds a variant of a mode "
+                        "under its own name, e.g. isd,isd-ctx=isd with --mode-config isd-ctx:context_tokens=8")
     parser.add_argument("--model", default="tiny-base", help="embedded model name or checkpoint / adapter dir")
     parser.add_argument("--prompts", required=True, help='JSON lines: {"prompt": "..."} per line')
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -110,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    parser.add_argument("--mode-config", action="append", default=[], metavar="MODE:K=V,...",
+    parser.add_argument("--mode-config", action="append", default=[], metavar="MODE|LABEL:K=V,...",
                         help="per-mode options, e.g. isd:stride=4,tau=0.5 (repeatable)")
     parser.add_argument("--adapter", default=None, help="RISD adapter dir (PEFT format)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -128,7 +132,7 @@ def _mode_configs(entries: list[str]) -> dict[str, dict[str, Any]]:
         mode, sep, opts = entry.partition(":")
         if not sep:
             raise ValueError(f"--mode-config {entry!r}: expected MODE:key=value,...")
-        out.setdefault(registry.get(mode).name, {}).update(registry.parse_option_string(opts))
+        out.setdefault(mode.strip().lower(), {}).update(registry.parse_option_string(opts))
     return out
 
 
@@ -152,15 +156,16 @@ def run_benchmark(
 
     sampling = sampling or SamplingParams()
     mode_configs = mode_configs or {}
-    order = ["ar"] + [m for m in (registry.get(x).name for x in modes) if m != "ar"]
+    runs = parse_modes(modes)
     engine.generate([prompt_ids[0]], 4, sampling, seed=seed, stop_token_ids=None)  # warm-up
     rows: list[dict[str, Any]] = []
     ar_tokens: list[list[int]] | None = None
     ar_wall: float | None = None
     ar_non_loop: dict[str, Any] | None = None
-    for mode in order:
-        row: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "config": None}
-        config = dict(mode_configs.get(mode, {}))
+    for run in runs:
+        mode = run.mode
+        row: dict[str, Any] = {"mode": mode, "label": run.label, "status": "ok", "reason": None, "config": None}
+        config = dict(mode_configs.get(run.label, mode_configs.get(mode, {})))
         if registry.get(mode).needs_adapter and adapter and "adapter" not in config:
             config["adapter"] = adapter
         try:
@@ -175,12 +180,12 @@ def run_benchmark(
         except ModeUnavailable as exc:
             row.update(status="skipped", reason=str(exc))
             rows.append(row)
-            log(f"{mode:>7}: skipped ({exc})")
+            log(f"{run.label:>7}: skipped ({exc})")
             continue
         except Exception as exc:  # noqa: BLE001 - report and go on with the other modes
             row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
             rows.append(row)
-            log(f"{mode:>7}: error ({type(exc).__name__}: {exc})")
+            log(f"{run.label:>7}: error ({type(exc).__name__}: {exc})")
             continue
         tokens = [o.token_ids for o in outs]
         agg = aggregate(o.metrics for o in outs)
@@ -215,7 +220,7 @@ def run_benchmark(
             finish_reasons=finish,
         )
         rows.append(row)
-        log(f"{mode:>7}: {total} tokens in {wall:.2f}s, TPF {row['tpf']:.2f}")
+        log(f"{run.label:>7}: {total} tokens in {wall:.2f}s, TPF {row['tpf']:.2f}")
     return rows
 
 
@@ -241,12 +246,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [head]
     for r in rows:
         if r["status"] != "ok":
-            lines.append([r["mode"], r["status"]] + ["-"] * (len(head) - 2))
+            lines.append([r.get("label", r["mode"]), r["status"]] + ["-"] * (len(head) - 2))
             continue
         exact = "-" if r["exact_match_vs_ar"] is None else f"{100 * r['exact_match_vs_ar']:.0f}%"
         nl = r["non_loop"]
         lines.append([
-            r["mode"], "ok", f"{r['tpf']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['wall_ratio_vs_ar']:.2f}",
+            r.get("label", r["mode"]), "ok", f"{r['tpf']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['wall_ratio_vs_ar']:.2f}",
             f"{r['speedup_vs_ar']:.2f}x", exact, f"{r['mean_accepted_length']:.2f}", f"{r['compute_overhead']:.2f}",
             str(r["repetition_loops"]), str(nl["outputs"]),
             "-" if nl["tpf"] is None else f"{nl['tpf']:.2f}",

@@ -65,6 +65,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from selfspec.benchmarks.modes import ModeRun, parse_modes
+
 from selfspec.benchmarks.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
 
 SCHEMA = "selfspec.bench.serve/v1"
@@ -103,7 +105,8 @@ def mode_server_args(mode: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=DEFAULT_MODES,
-                        help=f"comma-separated modes (default {DEFAULT_MODES}); ar always runs first")
+                        help=f"comma-separated modes (default {DEFAULT_MODES}); ar always runs first; LABEL=MODE adds "
+                        "a variant of a mode under its own name (its flags: --mode-args 'LABEL=...')")
     parser.add_argument("--model", default="tiny-base", help="embedded model name or checkpoint directory")
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrency levels")
     parser.add_argument("--prompts", default=None,
@@ -317,14 +320,14 @@ def level_prompts(texts: list[str], level_index: int, count: int) -> list[str]:
     return [texts[(start + i) % len(texts)] for i in range(count)]
 
 
-def _mode_extra(mode: str, args, model_dir: Path) -> tuple[list[str] | None, str | None]:
+def _mode_extra(run: ModeRun, args, model_dir: Path) -> tuple[list[str] | None, str | None]:
     from selfspec.decoding import registry
 
-    spec = registry.get(mode)
-    extra = mode_server_args(mode)
+    spec = registry.get(run.mode)
+    extra = mode_server_args(run.mode)
     for entry in args.mode_args:
         name, _, rest = entry.partition("=")
-        if name.strip().lower() == mode:
+        if name.strip().lower() == run.label:
             extra += shlex.split(rest)
     if spec.needs_adapter and "--selfspec-lora" not in extra:
         lora = args.lora
@@ -345,15 +348,10 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.models import resolve_with_adapter
     from selfspec.serving import ServerProcess, ServerSpec, cuda_available, free_port
 
-    from selfspec.decoding import registry
-
     try:
-        modes = [registry.get(m).name for m in args.modes.split(",") if m.strip()]
+        modes = parse_modes(args.modes)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    if "ar" in modes:
-        modes.remove("ar")
-    modes = ["ar"] + modes
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     model_dir, adapter = resolve_with_adapter(args.model)  # an adapter-only model: its base, and RISD's adapter
     if adapter is not None and args.lora is None:
@@ -423,16 +421,17 @@ def _mean_prompt_tokens(model_dir: Path, prompts: list[str]) -> int:
     return int(round(statistics.mean(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)))
 
 
-def _bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai, input_tokens,
+def _bench_mode(run: ModeRun, args, model_dir, all_prompts, levels, log_dir, use_genai, input_tokens,
                 ServerProcess, ServerSpec, free_port) -> dict:
-    extra, skip = _mode_extra(mode, args, model_dir)
-    row: dict[str, Any] = {"mode": mode, "status": "ok", "reason": None, "server_args": extra or [], "levels": [],
+    mode, label = run.mode, run.label
+    extra, skip = _mode_extra(run, args, model_dir)
+    row: dict[str, Any] = {"mode": mode, "label": label, "status": "ok", "reason": None, "server_args": extra or [], "levels": [],
                            "notes": []}
     if skip:
         row.update(status="skipped", reason=skip)
-        print(f"[bench serve] {mode}: skipped ({skip})", file=sys.stderr)
+        print(f"[bench serve] {label}: skipped ({skip})", file=sys.stderr)
         return row
-    log = log_dir / f"server-{mode}.log"
+    log = log_dir / f"server-{label}.log"
     proc = ServerProcess(ServerSpec(str(model_dir), port=free_port(), extra_args=extra), log_path=log,
                          startup_timeout=args.startup_timeout)
     t0 = time.perf_counter()
@@ -441,7 +440,7 @@ def _bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai, 
     except Exception as e:
         tail = log.read_text()[-3000:] if log.exists() else ""
         row.update(status="error", reason=f"server did not start: {e}\n{tail}")
-        print(f"[bench serve] {mode}: server did not start; see {log}", file=sys.stderr)
+        print(f"[bench serve] {label}: server did not start; see {log}", file=sys.stderr)
         proc.stop()
         return row
     row["startup_s"] = time.perf_counter() - t0
@@ -459,13 +458,13 @@ def _bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai, 
                     lv["non_loop"].update(forwards=lv["non_loop"]["tokens"], tpf=1.0)
             lv["genai_bench"] = None
             row["levels"].append(lv)
-            print(f"[bench serve] {mode:6s} C={c:<3d} {lv['output_tok_s']:8.1f} tok/s  TPOT p50 "
+            print(f"[bench serve] {label:6s} C={c:<3d} {lv['output_tok_s']:8.1f} tok/s  TPOT p50 "
                   f"{lv['tpot_ms_p50']:7.1f} ms  TPF {lv['tpf'] if lv['tpf'] is not None else float('nan'):.2f}",
                   file=sys.stderr)
         if use_genai:
             try:
                 gb = run_genai_bench(proc.base_url, str(model_dir), levels, input_tokens, args.max_tokens,
-                                     args.num_prompts, log_dir / f"genai-bench-{mode}")
+                                     args.num_prompts, log_dir / f"genai-bench-{label}")
                 for lv in row["levels"]:
                     lv["genai_bench"] = gb.get(lv["concurrency"])
             except Exception as e:  # genai-bench is a second opinion; never fail the run on it
@@ -486,14 +485,14 @@ def format_table(report: dict) -> str:
     rows, tails = [head], [""]
     for r in report["results"]:
         if r["status"] != "ok":
-            rows.append([r["mode"], "", r["status"]] + [""] * (len(head) - 3))
+            rows.append([r.get("label", r["mode"]), "", r["status"]] + [""] * (len(head) - 3))
             tails.append(f": {str(r['reason']).splitlines()[0] if r['reason'] else ''}")
             continue
         for lv in r["levels"]:
             nl = lv.get("non_loop") or {}
             loops = lv.get("repetition_loops")
             rows.append([
-                r["mode"], str(lv["concurrency"]), num(lv["output_tok_s"], ".1f"), num(lv.get("ratio_vs_ar"), ".2f"),
+                r.get("label", r["mode"]), str(lv["concurrency"]), num(lv["output_tok_s"], ".1f"), num(lv.get("ratio_vs_ar"), ".2f"),
                 num(lv["tpot_ms_p50"], ".1f"), num(lv["tpot_ms_p99"], ".1f"), num(lv.get("tpf"), ".2f"),
                 num((lv.get("genai_bench") or {}).get("output_tok_s"), ".1f"),
                 "-" if loops is None else f"{loops}/{lv['requests']}", num(lv.get("per_request_tok_s"), ".1f"),
@@ -523,7 +522,7 @@ def plot(report: dict, out: str) -> None:
             continue
         xs = [lv["tpot_ms_p50"] for lv in r["levels"]]
         ys = [lv["output_tok_s"] for lv in r["levels"]]
-        ax.plot(xs, ys, marker="o", label=r["mode"])
+        ax.plot(xs, ys, marker="o", label=r.get("label", r["mode"]))
         for lv, x, y in zip(r["levels"], xs, ys):
             ax.annotate(f"C={lv['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("TPOT p50 (ms per output token, lower is better)")
