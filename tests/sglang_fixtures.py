@@ -150,12 +150,19 @@ def openai_complete(base_url: str, prompt_ids: list[int], max_tokens: int = MAX_
     return out.choices[0].text
 
 
-def mode_server_fixture(name: str, extra: list[str], env: dict | None = None):
-    """A module-scoped fixture factory for a mode server."""
+#: SGLang's default server path (radix cache on), with prefill chunks small enough that the
+#: held-out prompts are prefilled in several chunks
+DEFAULT_PATH = ("--chunked-prefill-size", "16")
+
+
+def mode_server_fixture(name: str, extra: list[str], env: dict | None = None, default_path: bool = False):
+    """A module-scoped fixture factory for a mode server; `default_path`: radix cache and chunked
+    prefill on (DEFAULT_PATH), otherwise the radix cache is off."""
+    path_args = DEFAULT_PATH if default_path else ("--disable-radix-cache",)
 
     @pytest.fixture(scope="module")
     def _server(tmp_path_factory, ar_reference):  # ar_reference first: its server is gone by now
-        proc = start_server(tmp_path_factory, name, server_args("--disable-radix-cache", *extra), env=env)
+        proc = start_server(tmp_path_factory, name, server_args(*path_args, *extra), env=env)
         yield proc
         proc.stop()
 

@@ -3,7 +3,8 @@
 One ISD server (module scope) on tiny-base: its tokenizer has a [MASK] token, so ISD runs on it
 losslessly even though the untrained mask embedding proposes poorly. It verifies context n-gram
 candidates beside the proposals (`context_tokens=4`), so steps with and without a candidate
-branch both run through the worker. Besides the lossless check,
+branch both run through the worker. The server runs on SGLang's default path (radix cache on,
+prefill in chunks of 16 tokens), so repeated prompts reuse cached prefixes. Besides the lossless check,
 this module carries the request-level edge cases shared by every mode (they exercise the same
 worker): seeded sampling, max_tokens, stop strings and stop tokens, streaming, abort, KV usage.
 """
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.server
 
 ISD_OPTIONS = {"stride": 3, "context_tokens": 4}
 server = mode_server_fixture("isd", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3", "--enable-metrics",
-                                     "--selfspec-options", "context_tokens=4"])
+                                     "--selfspec-options", "context_tokens=4"], default_path=True)
 
 
 @pytest.fixture(scope="module")

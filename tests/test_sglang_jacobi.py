@@ -18,11 +18,12 @@ pytestmark = pytest.mark.server
 # small blocks keep the CPU verify tree at 1 + 7 + 8 + 3*3 + 7 = 32 query tokens per request
 # (the last 7: a context n-gram candidate); the server builds its tree mask in the GPU backends'
 # full [W, L + W] layout (SELFSPEC_FULL_MASK), so the CPU run also checks the mask the GPU path
-# hands to SGLang
+# hands to SGLang. It runs on SGLang's default path (radix cache on, prompts prefilled in chunks
+# of 16 tokens): the burst after the sequential pass reuses cached prefixes of the same prompts.
 server = mode_server_fixture("jacobi", [
     "--speculative-algorithm", "JACOBI",
     "--selfspec-options", "block_size=8,max_blocks=2,verify_size=3,ngram_size=4,context_tokens=7",
-], env={"SELFSPEC_FULL_MASK": "1"})
+], env={"SELFSPEC_FULL_MASK": "1"}, default_path=True)
 
 
 def test_jacobi_greedy_equals_ar_sequential(server, heldout_ids, ar_reference):
