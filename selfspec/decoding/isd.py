@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec.decoding.ngram import SuffixIndex
+from selfspec.decoding.ngram import SuffixIndex, match_sizes
 from selfspec.decoding.sampling import logits_to_probs, sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
@@ -69,9 +69,7 @@ class ISDConfig:
             raise ValueError(f"tau must be >= 0, got {self.tau}")
         if self.context_tokens < 0:
             raise ValueError(f"context_tokens must be >= 0 (0 = off), got {self.context_tokens}")
-        self.context_match_sizes = tuple(sorted({int(m) for m in self.context_match_sizes}, reverse=True))
-        if not self.context_match_sizes or min(self.context_match_sizes) < 1:
-            raise ValueError("context_match_sizes must be lengths >= 1")
+        self.context_match_sizes = match_sizes(self.context_match_sizes, "ISD context_match_sizes")
         if self.proposal not in ("argmax", "sample"):
             raise ValueError(f"ISD proposal must be 'argmax' or 'sample', got {self.proposal!r}")
 
@@ -180,6 +178,7 @@ class ISDMode(Mode):
                 width = self.max_width if cfg.fixed_width else None
                 lay, st.plan = build_tree_layout(s.pending, st.proposals, candidate, cfg.stride, self.mask_token_id,
                                                  cfg.context_tail, width)
+                st.plan.paths[0].probs = st.proposal_probs  # the proposals' q (None: one-hot)
             else:
                 lay = build_layout(s.pending, st.proposals, cfg.stride, self.mask_token_id, cfg.fixed_width)
             if not self.gated:
@@ -243,7 +242,6 @@ class ISDMode(Mode):
         """A step with a candidate branch (`tree_verify`): the winning path's drafts, then the
         MASK proposals of that path if it was accepted whole and has them."""
         plan = seq.state.plan
-        plan.paths[0].probs = seq.state.proposal_probs  # the proposals' q (None: one-hot)
         res = verify_paths(logits, plan.paths, ctx.seeds[b], float(ctx.temperature[b]), int(ctx.top_k[b]),
                            float(ctx.top_p[b]), self.config.tau)
         path = plan.paths[res.path]

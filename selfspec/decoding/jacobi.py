@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding import rng
-from selfspec.decoding.ngram import SuffixIndex
+from selfspec.decoding.ngram import SuffixIndex, match_sizes
 from selfspec.decoding.ngram_pool import NgramPool
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
 
@@ -78,9 +78,7 @@ class JacobiConfig:
             raise ValueError("JACOBI needs pool_size >= 1 and verify_size >= 0")
         if self.context_tokens < 0:
             raise ValueError(f"JACOBI context_tokens must be >= 0 (0 = off), got {self.context_tokens}")
-        self.context_match_sizes = tuple(sorted({int(m) for m in self.context_match_sizes}, reverse=True))
-        if not self.context_match_sizes or min(self.context_match_sizes) < 1:
-            raise ValueError("JACOBI context_match_sizes must be lengths >= 1")
+        self.context_match_sizes = match_sizes(self.context_match_sizes, "JACOBI context_match_sizes")
 
     @property
     def spawn_threshold(self) -> int:

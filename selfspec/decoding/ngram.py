@@ -18,15 +18,23 @@ from selfspec.decoding.step import (
 )
 
 
+def match_sizes(sizes, option: str = "match_sizes") -> tuple[int, ...]:
+    """Suffix lengths to look up, longest first, each once; ValueError naming `option` otherwise."""
+    out = tuple(sorted({int(m) for m in sizes}, reverse=True))
+    if not out or out[-1] < 1:
+        raise ValueError(f"{option} must be suffix lengths >= 1, got {tuple(sizes)!r}")
+    return out
+
+
 @dataclass
 class NgramConfig:
     num_draft: int = 4  # k
     match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
 
     def __post_init__(self) -> None:
-        self.match_sizes = tuple(sorted({int(m) for m in self.match_sizes}, reverse=True))
-        if self.num_draft < 1 or not self.match_sizes or min(self.match_sizes) < 1:
-            raise ValueError("ngram needs num_draft >= 1 and match sizes >= 1")
+        self.match_sizes = match_sizes(self.match_sizes, "ngram match_sizes")
+        if self.num_draft < 1:
+            raise ValueError(f"ngram needs num_draft >= 1, got {self.num_draft}")
 
 
 class SuffixIndex:

@@ -62,6 +62,7 @@ def verify_paths(
     alive = list(range(len(paths)))
     depth = 0
     greedy = temperature <= 0
+    argmax = logits.argmax(-1).tolist() if greedy else None  # one host read for the whole walk
     while True:
         children: dict[tuple[int, int], torch.Tensor | None] = {}  # (token, dense path or -1) -> q row
         rows = set()
@@ -75,13 +76,14 @@ def verify_paths(
                 rows.add(path.end_row)
         if len(rows) != 1:
             raise ValueError(f"paths that agree up to depth {depth} are judged by different rows {sorted(rows)}")
-        row = logits[rows.pop()]
+        row_index = rows.pop()
         if greedy:
-            token = int(row.argmax())
+            token = argmax[row_index]
             if any(t == token for t, _ in children):
                 alive, depth = _holding(paths, alive, depth, token), depth + 1
                 continue
             return PathResult(_finished(paths, alive, depth), depth, token)
+        row = logits[row_index]
         residual = logits_to_probs(row, temperature, top_k, top_p)
         seed = seeds[depth]
         accepted = None

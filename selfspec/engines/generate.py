@@ -59,12 +59,18 @@ StepCallback = Callable[[StepEvent], None]
 
 
 def _emitted_logprobs(logits: torch.Tensor, outcomes: Sequence[StepOutcome]) -> list[list[float]]:
-    logp = torch.log_softmax(logits, dim=-1)
-    out = []
-    for b, o in enumerate(outcomes):
-        rows = torch.tensor(o.keep, dtype=torch.long, device=logits.device)
-        toks = torch.tensor(o.emit, dtype=torch.long, device=logits.device)
-        out.append(logp[b, rows, toks].tolist())
+    """Per row, the log-probability of each emitted token under the row that predicted it: one
+    gather over the rows that matter and one host read for the whole step."""
+    dev = logits.device
+    batch_rows = torch.tensor([b for b, o in enumerate(outcomes) for _ in o.keep], dtype=torch.long, device=dev)
+    step_rows = torch.tensor([r for o in outcomes for r in o.keep], dtype=torch.long, device=dev)
+    tokens = torch.tensor([t for o in outcomes for t in o.emit], dtype=torch.long, device=dev)
+    rows = logits[batch_rows, step_rows]  # [emitted, V]
+    flat = (rows.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - rows.logsumexp(-1)).tolist()
+    out, start = [], 0
+    for o in outcomes:
+        out.append(flat[start : start + len(o.emit)])
+        start += len(o.emit)
     return out
 
 
