@@ -129,17 +129,68 @@ def tokenizer(tiny_base_path):
     return AutoTokenizer.from_pretrained(str(tiny_base_path))
 
 
+#: The sampled-distribution check: SAMPLES seeded requests of SAMPLE_LEN tokens on a prompt
+#: with a repeated span (context candidates are found and win or lose), at the sampling
+#: settings of SAMPLING (temperature and nucleus truncation both matter).
+SAMPLE_TEXT = "import os\nimport sys\nimport re\nimport os\nimport sys\nimport re\nimport os\n"
+SAMPLES = 1000
+SAMPLE_LEN = 5
+SAMPLING = {"temperature": 0.7, "top_p": 0.95}
+ALPHA = 1e-3  # the family-wise level of the sampled-distribution check
+
+
+def sampled_outputs(base_url: str, prompt_ids: list[int], seeds: range) -> list[tuple[int, ...]]:
+    """One batch of seeded requests (native API), SAMPLE_LEN tokens each, EOS ignored."""
+    params = [{**SAMPLING, "max_new_tokens": SAMPLE_LEN, "ignore_eos": True, "sampling_seed": s} for s in seeds]
+    outs = post_json(base_url, "/generate", {"input_ids": [prompt_ids] * len(params), "sampling_params": params})
+    return [tuple(o["output_ids"]) for o in outs]
+
+
+def distribution_pvalues(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> dict[str, float]:
+    """Two-sample homogeneity p-values: the joint of the first 3 tokens and each position's token."""
+    from collections import Counter
+
+    from selfspec.engines.testing import two_sample_pvalue
+
+    out = {"joint[:3]": two_sample_pvalue(Counter(x[:3] for x in a), Counter(x[:3] for x in b))[1]}
+    for pos in range(SAMPLE_LEN):
+        out[f"token {pos}"] = two_sample_pvalue(Counter(x[pos] for x in a), Counter(x[pos] for x in b))[1]
+    return out
+
+
 @pytest.fixture(scope="session")
-def ar_reference(tmp_path_factory, heldout_ids) -> dict:
-    """Greedy outputs of the plain (AR) server on the held-out prompts, sequential requests.
-    The AR server is stopped before the fixture returns (one server at a time)."""
+def ar_reference(tmp_path_factory, heldout_ids, tiny_base_path) -> dict:
+    """Greedy outputs of the plain (AR) server on the held-out prompts, sequential requests, and
+    its sampled outputs on SAMPLE_TEXT (`check_sampling_matches_ar`). The AR server is stopped
+    before the fixture returns (one server at a time)."""
     proc = start_server(tmp_path_factory, "ar", server_args("--disable-radix-cache"))
     try:
         outs = [native_generate(proc.base_url, ids)["output_ids"] for ids in heldout_ids]
         texts = [openai_complete(proc.base_url, ids) for ids in heldout_ids]
-        return {"output_ids": outs, "texts": texts}
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tiny_base_path))
+        sample_ids = tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
+        samples = sampled_outputs(proc.base_url, sample_ids, range(SAMPLES))
+        greedy = native_generate(proc.base_url, sample_ids, SAMPLE_LEN, ignore_eos=True)["output_ids"]
+        return {"output_ids": outs, "texts": texts, "sample_ids": sample_ids, "samples": samples,
+                "sample_greedy": tuple(greedy)}
     finally:
         proc.stop()
+
+
+def check_sampling_matches_ar(base_url: str, reference: dict) -> dict[str, float]:
+    """The mode server's sampled outputs on SAMPLE_TEXT against the AR server's own (other
+    seeds): every homogeneity p-value above ALPHA / tests. The check has teeth: the AR sample
+    is far from what a server ignoring the temperature (always the greedy output) would give."""
+    ar = reference["samples"]
+    greedy_like = distribution_pvalues(ar, [reference["sample_greedy"]] * len(ar))
+    assert min(greedy_like.values()) < 1e-6, f"the AR sample cannot tell sampling from greedy: {greedy_like}"
+    got = sampled_outputs(base_url, reference["sample_ids"], range(10**6, 10**6 + len(ar)))
+    pvalues = distribution_pvalues(ar, got)
+    level = ALPHA / len(pvalues)
+    assert min(pvalues.values()) > level, f"sampled outputs differ from the AR server's (level {level:.1e}): {pvalues}"
+    return pvalues
 
 
 def openai_complete(base_url: str, prompt_ids: list[int], max_tokens: int = MAX_NEW, **kw) -> str:

@@ -1,4 +1,4 @@
-"""Context n-gram candidates verified beside a mode's own proposals (ISD, RISD, JACOBI):
+"""Context n-gram candidates verified beside a mode's own proposals (ISD, RISD, SJD, JACOBI):
 greedy output equals greedy AR with the candidate branch both winning and losing, sampled ISD
 keeps AR's distribution with candidates in the tree, the multi-path rule reduces to the
 single-draft rule, and a repeated span is decoded in fewer forwards."""
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import selfspec.decoding.isd as isd
+import selfspec.decoding.sjd as sjd
 from selfspec.decoding import rng
 from selfspec.decoding.isd import build_tree_layout
 from selfspec.decoding.sampling import SamplingParams
@@ -51,6 +52,7 @@ def tree_outcomes(monkeypatch):
         return res
 
     monkeypatch.setattr(isd, "verify_paths", spy)
+    monkeypatch.setattr(sjd, "verify_paths", spy)
     return seen
 
 
@@ -58,8 +60,10 @@ def tree_outcomes(monkeypatch):
     ("isd", {"stride": 3, "context_tokens": 4}),
     ("isd", {"stride": 4, "context_tokens": 6, "context_tail": False, "fixed_width": False}),
     ("risd", {"stride": 3, "context_tokens": 5, "context_match_sizes": (2,)}),
+    ("sjd", {"window": 2, "context_tokens": 4}),
+    ("sjd", {"window": 5, "history_offset": 2, "context_tokens": 3, "context_match_sizes": (2, 1)}),
 ])
-def test_isd_with_candidates_is_greedy_ar(setup, tree_outcomes, mode, config):
+def test_candidates_are_greedy_ar(setup, tree_outcomes, mode, config):
     model, mask_id, prompts, reference, adapter = setup
     engine = HFEngine(model, mask_token_id=mask_id, adapter=adapter if mode == "risd" else None)
     for bs in (1, 8):
@@ -89,7 +93,7 @@ def test_tree_layout_shares_the_common_prefix():
     a, b = plan.paths
     assert (a.tokens, a.rows, a.end_row) == ([1, 2, 3], [0, 1, 2], 3)
     assert (b.tokens, b.rows, b.end_row) == ([1, 2, 7, 8], [0, 1, 2, 7], 8)
-    assert plan.mask_rows == [[4, 5, 6], [9, 10, 11]]
+    assert plan.tail_rows == [[4, 5, 6], [9, 10, 11]]
     seen = branch_visibility(torch.tensor(lay.branch))
     assert not seen[7, 3] and seen[7, 2] and seen[11, 8] and not seen[11, 6]  # branches see the trunk, not each other
     assert lay.gate == [t == 0 and i > 0 for i, t in enumerate(lay.tokens)]
@@ -123,15 +127,18 @@ def test_two_paths_keep_the_distribution_of_each_position():
     assert pvalue > 0.01, (stat, dof, counts)
 
 
-def test_sampled_isd_with_candidates_keeps_ar_sampling(tree_outcomes):
+@pytest.mark.parametrize("mode, config", [
+    ("isd", {"stride": 3, "context_tokens": 3, "context_match_sizes": (1,)}),
+    ("sjd", {"window": 2, "context_tokens": 3, "context_match_sizes": (1,)}),
+])
+def test_sampled_candidates_keep_ar_sampling(tree_outcomes, mode, config):
     model = tiny_qwen3(8, hidden_size=32, seed=4, initializer_range=0.3).eval()
     mask_id = add_mask_token(model)
     engine = HFEngine(model, mask_token_id=mask_id)
     prompt, steps, sampling = [1, 2, 3, 1], 3, SamplingParams(1.0)
     exact = exact_distribution(model, prompt, steps, sampling)
     outs = engine.generate([prompt] * 20_000, steps + 1, sampling, seed=list(range(20_000)), stop_token_ids=[],
-                           mode="isd", mode_config={"stride": 3, "context_tokens": 3, "context_match_sizes": (1,)},
-                           batch_size=5000)
+                           mode=mode, mode_config=config, batch_size=5000)
     counts = Counter(tuple(o.token_ids[:steps]) for o in outs)
     stat, pvalue, dof = chi_square_pvalue(counts, exact)
     assert pvalue > 0.01, (stat, dof)
@@ -159,11 +166,12 @@ def test_sampling_test_would_see_a_biased_rule(monkeypatch):
     assert pvalue < 0.01
 
 
-def test_repeated_span_takes_fewer_forwards():
+@pytest.mark.parametrize("mode", ["isd", "sjd"])
+def test_repeated_span_takes_fewer_forwards(mode):
     engine = HFEngine.from_pretrained("tiny-idlm")
     ids = engine.encode("import os\nimport sys\nimport re\nimport os\nimport sys\nimport re\nimport os\n")
-    (plain,) = engine.generate([ids], 64, stop_token_ids=[], mode="isd")
-    (ctx,) = engine.generate([ids], 64, stop_token_ids=[], mode="isd", mode_config={"context_tokens": 8})
+    (plain,) = engine.generate([ids], 64, stop_token_ids=[], mode=mode, mode_config={"context_tokens": 0})
+    (ctx,) = engine.generate([ids], 64, stop_token_ids=[], mode=mode, mode_config={"context_tokens": 8})
     assert ctx.token_ids == plain.token_ids
     assert ctx.metrics.tokens_per_forward >= plain.metrics.tokens_per_forward + 0.5, (
         ctx.metrics.tokens_per_forward, plain.metrics.tokens_per_forward)

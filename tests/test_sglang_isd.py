@@ -21,6 +21,7 @@ from sglang_fixtures import (
     ar_reference,  # noqa: F401  (fixture)
     burst,
     check_lossless,
+    check_sampling_matches_ar,
     heldout_ids,  # noqa: F401  (fixture)
     mode_server_fixture,
     native_generate,
@@ -153,6 +154,10 @@ def test_sampling_valid_and_reproducible_with_seed(server, heldout_ids, tokenize
     outs = burst(lambda s: native_generate(server.base_url, ids, sampling_seed=s, **kw), [1234, 99, 7, 1234])
     assert outs[0]["output_ids"] == a["output_ids"] == outs[3]["output_ids"]
     assert outs[1]["output_ids"] == c["output_ids"]
+
+
+def test_isd_sampling_matches_the_ar_servers_sampling(server, ar_reference):
+    check_sampling_matches_ar(server.base_url, ar_reference)
 
 
 def test_sampling_through_openai_client_with_seed(client, heldout_ids):

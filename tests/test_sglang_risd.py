@@ -11,6 +11,7 @@ import pytest
 from sglang_fixtures import (
     ar_reference,  # noqa: F401  (fixture)
     check_lossless,
+    check_sampling_matches_ar,
     heldout_ids,  # noqa: F401  (fixture)
     native_generate,
     server_args,
@@ -45,6 +46,10 @@ def test_risd_greedy_equals_base_ar_sequential(server, heldout_ids, ar_reference
 def test_risd_greedy_equals_base_ar_burst_and_kv_released(server, heldout_ids, ar_reference):
     check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=True)
     assert wait_tokens_zero(server.base_url) == 0
+
+
+def test_risd_sampling_matches_the_ar_servers_sampling(server, ar_reference):
+    check_sampling_matches_ar(server.base_url, ar_reference)
 
 
 def test_risd_sampling_reproducible(server, heldout_ids):

@@ -1,4 +1,5 @@
-"""SJD served by stock SGLang: greedy SJD equals AR; sampled SJD is valid and seed-reproducible."""
+"""SJD served by stock SGLang, with context candidates: greedy SJD equals AR; sampled SJD
+follows the AR server's sampling distribution and is seed-reproducible."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from sglang_fixtures import (
     ar_reference,  # noqa: F401  (fixture)
     burst,
     check_lossless,
+    check_sampling_matches_ar,
     heldout_ids,  # noqa: F401  (fixture)
     mode_server_fixture,
     native_generate,
@@ -16,7 +18,7 @@ from sglang_fixtures import (
 
 pytestmark = pytest.mark.server
 
-server = mode_server_fixture("sjd", ["--speculative-algorithm", "SJD", "--selfspec-options", "window=4,history_offset=8"])
+server = mode_server_fixture("sjd", ["--speculative-algorithm", "SJD", "--selfspec-options", "window=4,history_offset=8,context_tokens=4"])
 
 
 def test_sjd_greedy_equals_ar_sequential(server, heldout_ids, ar_reference):
@@ -27,6 +29,10 @@ def test_sjd_greedy_equals_ar_sequential(server, heldout_ids, ar_reference):
 def test_sjd_greedy_equals_ar_burst_and_kv_released(server, heldout_ids, ar_reference):
     check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=True)
     assert wait_tokens_zero(server.base_url) == 0
+
+
+def test_sjd_sampling_matches_the_ar_servers_sampling(server, ar_reference):
+    check_sampling_matches_ar(server.base_url, ar_reference)
 
 
 def test_sjd_sampling_reproducible_in_any_batch(server, heldout_ids, tokenizer):

@@ -41,7 +41,7 @@ from selfspec.decoding.sampling import logits_to_probs, sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
-from selfspec.decoding.tree_verify import DraftPath, verify_paths
+from selfspec.decoding.tree_verify import TreePlan, build_branches, verify_paths
 
 
 @dataclass
@@ -75,14 +75,6 @@ class ISDConfig:
 
 
 @dataclass
-class TreePlan:
-    """A step with a candidate branch: the draft paths and, per path, its MASK rows (or None)."""
-
-    paths: list[DraftPath]
-    mask_rows: list[list[int] | None]
-
-
-@dataclass
 class ISDState:
     proposals: list[int] = field(default_factory=list)  # for the positions after pending
     proposal_probs: torch.Tensor | None = None  # [N-1, V] q the proposals were sampled from; None: one-hot
@@ -104,34 +96,9 @@ def build_layout(pending: int, proposals: list[int], stride: int, mask_token_id:
 def build_tree_layout(pending: int, proposals: list[int], candidate: list[int], stride: int, mask_token_id: int,
                       tail: bool, width: int | None = None) -> tuple[StepLayout, TreePlan]:
     """Two branches over the pending token: [proposals, MASK × (N−1)] and [candidate (+ MASK ×
-    (N−1) if tail)], their common prefix shared as trunk; padded with MASK to `width` if given.
-    Gate on at MASK tokens."""
-    j = 0
-    while j < min(len(proposals), len(candidate)) and proposals[j] == candidate[j]:
-        j += 1
-    tokens, offsets, branch, gate = [pending, *proposals[:j]], list(range(j + 1)), [0] * (j + 1), [False] * (j + 1)
-    paths, mask_rows = [], []
-    for bid, (drafts, with_tail) in enumerate([(proposals, True), (candidate, tail)], start=1):
-        rows = list(range(j + 1))  # rows[i] judges draft i; the last one gives the bonus
-        for depth in range(j, len(drafts)):
-            rows.append(len(tokens))
-            tokens.append(drafts[depth]), offsets.append(depth + 1), branch.append(bid), gate.append(False)
-        tail_rows = None
-        if with_tail:
-            tail_rows = list(range(len(tokens), len(tokens) + stride - 1))
-            tokens += [mask_token_id] * (stride - 1)
-            offsets += range(len(drafts) + 1, len(drafts) + stride)
-            branch += [bid] * (stride - 1)
-            gate += [True] * (stride - 1)
-        paths.append(DraftPath(list(drafts), rows[: len(drafts)], rows[len(drafts)]))
-        mask_rows.append(tail_rows)
-    if width is not None and len(tokens) < width:
-        extra = width - len(tokens)
-        tokens += [mask_token_id] * extra
-        offsets += range(max(offsets) + 1, max(offsets) + 1 + extra)
-        branch += [3] * extra
-        gate += [False] * extra
-    return StepLayout(tokens, offsets, branch, gate), TreePlan(paths, mask_rows)
+    (N−1) if tail)], their common prefix shared as trunk; padded with MASK to `width` if given."""
+    n1 = stride - 1
+    return build_branches(pending, [(proposals, n1), (candidate, n1 if tail else 0)], mask_token_id, width)
 
 
 @dataclass
@@ -248,7 +215,7 @@ class ISDMode(Mode):
         positions = path.rows[1:] + [path.end_row]  # step index of draft i is positions[i]
         emit = path.tokens[: res.accepted] + [res.next_token]
         keep = [0] + positions[: res.accepted]
-        tail = plan.mask_rows[res.path]
+        tail = plan.tail_rows[res.path]
         whole = res.accepted == len(path.tokens)
         seq.state.proposals, seq.state.proposal_probs = [], None
         if whole and tail is not None:

@@ -13,6 +13,12 @@ W, which predict the positions after the new pending token) are reused as drafts
 positions are filled from committed history at offset H: the draft for absolute position t is
 the token at t − H (`history_drafts`), with q one-hot. Each sequence advances by its own
 accepted length; nothing is synchronised across the batch.
+
+Context candidates (`context_tokens` > 0): when the latest earlier match of the sequence's
+suffix in its own prompt + output (`ngram.SuffixIndex`) proposes a continuation other than the
+window, it is verified in the same forward as a second branch over the pending token
+(`tree_verify`): a one-hot draft beside the window's drafts, so recursive rejection sampling
+keeps AR's distribution. The winning branch's rows give the next window as above.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.decoding.ngram import SuffixIndex, match_sizes
 from selfspec.decoding.sampling import logits_to_probs, sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
+from selfspec.decoding.tree_verify import TreePlan, build_branches, verify_paths
 
 
 @dataclass
@@ -35,12 +43,19 @@ class SJDConfig:
 
     window: int = 2  # W drafts per step (W + 1 query tokens)
     history_offset: int = 1  # H: history-filled drafts copy the token H positions back
+    # context n-gram candidate: up to this many tokens that followed the latest earlier match of
+    # the sequence's suffix, verified as a second branch beside the window (0 = off)
+    context_tokens: int = 0
+    context_match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"SJD window must be >= 1, got {self.window}")
         if self.history_offset < 1:
             raise ValueError(f"SJD history_offset must be >= 1, got {self.history_offset}")
+        if self.context_tokens < 0:
+            raise ValueError(f"SJD context_tokens must be >= 0 (0 = off), got {self.context_tokens}")
+        self.context_match_sizes = match_sizes(self.context_match_sizes, "SJD context_match_sizes")
 
 
 @dataclass
@@ -48,6 +63,8 @@ class SJDState:
     drafts: list[int] = field(default_factory=list)  # always W tokens after `start`
     q: torch.Tensor | None = None  # [W, V] proposal distributions (probabilistic only)
     q_known: list[bool] = field(default_factory=list)  # False: history draft, q one-hot
+    index: SuffixIndex | None = None  # the context lookup (context_tokens > 0)
+    plan: TreePlan | None = None  # this step's branches, when it has a candidate branch
 
 
 def history_drafts(sequence: list[int], count: int, offset: int) -> list[int]:
@@ -67,10 +84,11 @@ def history_drafts(sequence: list[int], count: int, offset: int) -> list[int]:
 def next_window(
     history: list[int], accept_len: int, predictions: list[int], window: int, offset: int
 ) -> tuple[list[int], int]:
-    """After a step that accepted `accept_len` of W drafts (history already extended by the
-    emitted tokens): the new drafts are the predictions of rows accept_len+1 … W followed by
-    history-offset fills; returns (drafts, how many came from predictions)."""
-    reused = list(predictions[accept_len + 1 : window + 1])
+    """After a step that accepted `accept_len` drafts of a chain whose rows predicted
+    `predictions` (one per row, the last the bonus row; history already extended by the emitted
+    tokens): the new drafts are the predictions of the rows after accept_len (at most W),
+    followed by history-offset fills; returns (drafts, how many came from predictions)."""
+    reused = list(predictions[accept_len + 1 :])[:window]
     fill = history_drafts(history + reused, window - len(reused), offset)
     return reused + fill, len(reused)
 
@@ -80,52 +98,110 @@ class SJDMode(Mode):
 
     def __init__(self, config: SJDConfig):
         self.config = config
-        w = config.window
-        self.seeds_per_step = 2 * w + 1  # W+1 verify seeds, then one per new sampled draft
-        self.max_width = w + 1
+        w, k = config.window, config.context_tokens
+        self.depth = max(w, k)  # the deepest draft chain
+        # seeds 0 … depth verify (one per depth, then the bonus); depth+1 … 2·depth sample the
+        # predictions of rows 1 … depth
+        self.seeds_per_step = 2 * self.depth + 1
+        self.max_width = w + 1 + k
 
     def start(self, seq: DecodeSequence) -> None:
-        w, h = self.config.window, self.config.history_offset
-        seq.state = SJDState(history_drafts(seq.history, w, h), None, [False] * w)
+        c = self.config
+        seq.state = SJDState(history_drafts(seq.history, c.window, c.history_offset), None, [False] * c.window,
+                             SuffixIndex(c.context_match_sizes) if c.context_tokens else None)
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
-        return [StepLayout([s.pending, *s.state.drafts]) for s in seqs]
+        out = []
+        for s in seqs:
+            st = s.state
+            st.plan = None
+            candidate = st.index.propose(s.history, self.config.context_tokens) if st.index is not None else []
+            if candidate and candidate != st.drafts[: len(candidate)]:
+                lay, st.plan = build_branches(s.pending, [(st.drafts, 0), (candidate, 0)], s.pending)
+                lay.gate = None
+                out.append(lay)
+            else:
+                out.append(StepLayout([s.pending, *st.drafts]))
+        return out
 
     def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
+        outcomes: list[StepOutcome | None] = [None] * len(seqs)
+        chain = [b for b, s in enumerate(seqs) if s.state.plan is None]
+        if chain:
+            sub = seqs if len(chain) == len(seqs) else [seqs[b] for b in chain]
+            idx = torch.tensor(chain, dtype=torch.long, device=logits.device)
+            for b, out in zip(chain, self._finish_windows(sub, logits[idx], ctx.select(idx))):
+                outcomes[b] = out
+        for b, s in enumerate(seqs):
+            if s.state.plan is not None:
+                outcomes[b] = self._finish_tree(s, logits[b], ctx.select(torch.tensor([b], device=logits.device)))
+        return outcomes
+
+    def _window_q(self, states: list[SJDState], drafts: torch.Tensor, vocab: int) -> torch.Tensor:
+        """[B, W, V] the distributions the window's drafts came from (one-hot for history drafts)."""
+        q = torch.nn.functional.one_hot(drafts, vocab).float()
+        for b, st in enumerate(states):
+            if st.q is not None:
+                known = torch.tensor(st.q_known, device=drafts.device)
+                q[b, known] = st.q[known]
+        return q
+
+    def _predictions(self, rows: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's prediction for the position after it [B, R] (argmax, or a sample when
+        sampling: row r ≥ 1 with seed column depth + r) and, when sampling, the rows' sampling
+        distributions [B, R, V]. Row 0 is never reused (its position is verified)."""
+        if ctx.all_greedy:
+            return rows.argmax(-1), None
+        probs = logits_to_probs(rows, ctx.temperature, ctx.top_k, ctx.top_p)
+        r = rows.shape[1]
+        sampled = sample_from_probs(probs[:, 1:], ctx.seeds[:, self.depth + 1 : self.depth + r])
+        return torch.cat([sampled[:, :1], sampled], dim=1), probs
+
+    def _advance(self, seq: DecodeSequence, emit: list[int], accept_len: int, preds: list[int],
+                 probs: torch.Tensor | None, greedy: bool) -> None:
+        """The next window from the winning chain's row predictions (`next_window`)."""
+        w, vocab = self.config.window, None if probs is None else probs.shape[-1]
+        new_drafts, reused = next_window(seq.history + emit, accept_len, preds, w, self.config.history_offset)
+        q = None
+        if probs is not None and not greedy:
+            q = torch.zeros(w, vocab, device=probs.device)
+            if reused:
+                q[:reused] = probs[accept_len + 1 : accept_len + 1 + reused]
+        seq.state = SJDState(new_drafts, q, [i < reused for i in range(w)], seq.state.index)
+
+    def _finish_windows(self, seqs, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
+        """Steps without a candidate branch, verified as one batch."""
         w = self.config.window
         device = logits.device
-        vocab = logits.shape[-1]
         drafts = torch.tensor([s.state.drafts for s in seqs], dtype=torch.long, device=device)
         num = torch.full((len(seqs),), w, dtype=torch.long, device=device)
         target = logits[:, : w + 1]
-        probabilistic = not ctx.all_greedy
-        draft_probs = None
-        if probabilistic:
-            draft_probs = torch.nn.functional.one_hot(drafts, vocab).float()
-            for b, s in enumerate(seqs):
-                if s.state.q is not None:
-                    known = torch.tensor(s.state.q_known, device=device)
-                    draft_probs[b, known] = s.state.q[known]
+        draft_probs = None if ctx.all_greedy else self._window_q([s.state for s in seqs], drafts, logits.shape[-1])
         result = verify_drafts(target, drafts, num, ctx, draft_probs=draft_probs)
-
-        # predictions of every row (only the rows after each sequence's rejection are reused);
-        # rows 1 … W are sampled with seed columns W+1 … 2W, row 0 is never reused
-        if probabilistic:
-            probs = logits_to_probs(target, ctx.temperature, ctx.top_k, ctx.top_p)  # [B, W+1, V]
-            sampled = sample_from_probs(probs[:, 1:], ctx.seeds[:, w + 1 : 2 * w + 1])
-            preds = torch.cat([sampled[:, :1], sampled], dim=1)
-        else:
-            probs = None
-            preds = target.argmax(-1)
+        preds, probs = self._predictions(target, ctx)
+        preds = preds.tolist()
+        greedy = ctx.greedy.tolist()
         outcomes = []
         for b, (s, a, t) in enumerate(zip(seqs, result.accept_len.tolist(), result.next_tokens.tolist())):
             emit = s.state.drafts[:a] + [t]
-            new_drafts, reused = next_window(s.history + emit, a, preds[b].tolist(), w, self.config.history_offset)
-            q = None
-            if probs is not None and not bool(ctx.greedy[b]):
-                q = torch.zeros(w, vocab, device=device)
-                if reused:
-                    q[:reused] = probs[b, a + 1 : a + 1 + reused]
-            s.state = SJDState(new_drafts, q, [i < reused for i in range(w)])
+            self._advance(s, emit, a, preds[b], None if probs is None else probs[b], bool(greedy[b]))
             outcomes.append(StepOutcome(emit, list(range(a + 1)), a))
         return outcomes
+
+    def _finish_tree(self, seq: DecodeSequence, logits: torch.Tensor, ctx: StepContext) -> StepOutcome:
+        """A step with a candidate branch: `verify_paths` picks the branch and the tokens; the
+        winning branch's rows give the next window."""
+        st, plan = seq.state, seq.state.plan
+        if not ctx.all_greedy:
+            drafts = torch.tensor([st.drafts], dtype=torch.long, device=logits.device)
+            plan.paths[0].probs = self._window_q([st], drafts, logits.shape[-1])[0]
+        res = verify_paths(logits, plan.paths, ctx.seeds[0], float(ctx.temperature[0]), int(ctx.top_k[0]),
+                           float(ctx.top_p[0]))
+        path = plan.paths[res.path]
+        rows = path.rows + [path.end_row]  # rows[r] predicts the chain's position r + 1
+        positions = rows[1:]  # step index of draft i
+        preds, probs = self._predictions(logits[rows].unsqueeze(0), ctx)
+        emit = path.tokens[: res.accepted] + [res.next_token]
+        self._advance(seq, emit, res.accepted, preds[0].tolist(), None if probs is None else probs[0],
+                      bool(ctx.greedy[0]))
+        return StepOutcome(emit, [0] + positions[: res.accepted], res.accepted)

@@ -32,6 +32,7 @@ import torch
 
 from selfspec.decoding import rng
 from selfspec.decoding.sampling import logits_to_probs
+from selfspec.decoding.step import StepLayout
 
 
 @dataclass
@@ -40,6 +41,48 @@ class DraftPath:
     rows: list[int]  # rows[i]: the logits row that judges tokens[i]
     end_row: int  # the row that gives the token after the last draft (the bonus)
     probs: torch.Tensor | None = None  # [len(tokens), V] the distributions the drafts were drawn from; None: one-hot
+
+
+@dataclass
+class TreePlan:
+    """A step's draft paths and, per path, the rows of its fill tail (None: no tail)."""
+
+    paths: list[DraftPath]
+    tail_rows: list[list[int] | None]
+
+
+def build_branches(pending: int, branches: list[tuple[list[int], int]], fill_token: int,
+                   width: int | None = None) -> tuple[StepLayout, TreePlan]:
+    """One layout holding several draft chains over the pending token: branch b is its drafts
+    then `tail` fill tokens (ISD's MASK proposals; 0 for none). The prefix all drafts share is
+    laid once as the trunk; each branch sees the trunk and itself. Gate on at the fill tails
+    (RISD applies its LoRA there); padded with fill tokens, gate off, to `width` if given."""
+    shared = 0
+    while all(shared < len(d) for d, _ in branches) and len({d[shared] for d, _ in branches}) == 1:
+        shared += 1
+    head = branches[0][0][:shared]
+    tokens, offsets = [pending, *head], list(range(shared + 1))
+    branch, gate = [0] * (shared + 1), [False] * (shared + 1)
+    paths, tails = [], []
+    for bid, (drafts, tail) in enumerate(branches, start=1):
+        rows = list(range(shared + 1))  # rows[i] judges draft i; the last one gives the bonus
+        for depth in range(shared, len(drafts)):
+            rows.append(len(tokens))
+            tokens.append(drafts[depth]), offsets.append(depth + 1), branch.append(bid), gate.append(False)
+        tail_rows = list(range(len(tokens), len(tokens) + tail)) if tail else None
+        tokens += [fill_token] * tail
+        offsets += range(len(drafts) + 1, len(drafts) + 1 + tail)
+        branch += [bid] * tail
+        gate += [True] * tail
+        paths.append(DraftPath(list(drafts), rows[: len(drafts)], rows[len(drafts)]))
+        tails.append(tail_rows)
+    if width is not None and len(tokens) < width:
+        extra = width - len(tokens)
+        tokens += [fill_token] * extra
+        offsets += range(max(offsets) + 1, max(offsets) + 1 + extra)
+        branch += [len(branches) + 1] * extra
+        gate += [False] * extra
+    return StepLayout(tokens, offsets, branch, gate), TreePlan(paths, tails)
 
 
 @dataclass

@@ -128,6 +128,29 @@ def chi_square_pvalue(counts: dict, expected_probs: dict, min_expected: float = 
     return stat, pvalue, dof
 
 
+def two_sample_pvalue(a: dict, b: dict, min_count: float = 10.0) -> tuple[float, float, int]:
+    """Chi-square test of homogeneity of two samples given as counts per outcome: are they
+    drawn from one distribution? Outcomes seen fewer than min_count times in both samples
+    together are pooled. Returns (statistic, p-value, degrees of freedom)."""
+    from scipy.stats import chi2_contingency
+
+    keys = set(a) | set(b)
+    rows, pooled = [], [0, 0]
+    for k in keys:
+        pair = [a.get(k, 0), b.get(k, 0)]
+        if sum(pair) < min_count:
+            pooled[0] += pair[0]
+            pooled[1] += pair[1]
+        else:
+            rows.append(pair)
+    if sum(pooled):
+        rows.append(pooled)
+    if len(rows) < 2:  # one outcome only: identical distributions
+        return 0.0, 1.0, 0
+    res = chi2_contingency(rows, correction=False)
+    return float(res.statistic), float(res.pvalue), int(res.dof)
+
+
 def total_variation(counts: dict, expected_probs: dict) -> float:
     total = sum(counts.values())
     keys = set(counts) | set(expected_probs)
