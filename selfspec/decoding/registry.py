@@ -215,6 +215,24 @@ def build(mode: str, config: Any, resources: ModeResources = ModeResources()) ->
     return spec.build(config, resources)
 
 
+def build_planned(mode: str, base_options: dict[str, Any], plan: Any,
+                  resources: ModeResources = ModeResources()) -> Mode:
+    """The `width_plan.PlannedMode` of `plan` (a WidthPlan or its dict form) for `mode`: each
+    bucket's mode built from `base_options` overridden by the bucket's options."""
+    from selfspec.decoding.width_plan import PlannedMode, WidthPlan
+
+    spec = get(mode)
+    if not isinstance(plan, WidthPlan):
+        plan = WidthPlan.from_dict(plan, spec.name)
+
+    def one(bucket) -> Mode:
+        if bucket.mode == "ar":
+            return build("ar", None, resources)
+        return build(spec.name, parse_mode_config(spec.name, {**base_options, **bucket.options}), resources)
+
+    return PlannedMode(plan, [one(b) for b in plan.greedy], [one(b) for b in plan.sampled], spec.name)
+
+
 def help_text() -> str:
     """One line per mode, for --help."""
     return "; ".join(f"{s.name}: {s.summary}" for s in _SPECS)

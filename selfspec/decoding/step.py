@@ -36,6 +36,7 @@ class DecodeSequence:
     history: list[int]  # prompt + emitted tokens; the last one is the pending token
     sampling: SamplingParams = field(default_factory=SamplingParams)
     state: Any = None
+    state_owner: Any = None  # the mode object that made `state` (a planned mode switches owners)
 
     @property
     def pending(self) -> int:
@@ -168,6 +169,11 @@ class Mode:
     seeds_per_step = 1
     greedy_only = False
     max_width = 1  # most query tokens a layout can have (sizes the engine's buffers)
+
+    @property
+    def step_width(self) -> int:
+        """The widest layout of the step `layouts` last planned (a planned mode narrows it)."""
+        return self.max_width
 
     def start(self, seq: DecodeSequence) -> None:
         """Called once after prefill, when the first generated token is the pending token."""

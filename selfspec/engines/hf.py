@@ -18,6 +18,8 @@ window attention layers are refused (the mask here is full attention).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -121,9 +123,11 @@ class HFEngine:
         tid = self.mask_token_id if explicit is None else explicit
         return resolve_mask_token_id(tid, self.metadata, self.tokenizer)
 
-    def build_mode(self, mode: str | Mode, mode_config: Any = None) -> Mode:
+    def build_mode(self, mode: str | Mode, mode_config: Any = None, plan: Any = None) -> Mode:
         """The mode object for this model, or ModeUnavailable saying why it cannot run.
-        A `Mode` instance is used as given (custom or instrumented modes)."""
+        A `Mode` instance is used as given (custom or instrumented modes). `plan` (a
+        `width_plan.WidthPlan` or its dict form) picks each step's configuration from the batch,
+        over mode_config as the base options."""
         if isinstance(mode, Mode):
             return mode
         spec = registry.get(mode)
@@ -143,7 +147,11 @@ class HFEngine:
                 raise ModeUnavailable(f"mask token id {mask_id} is outside the model's embedding table")
         if spec.needs_adapter:
             self._ensure_adapter(cfg.adapter or self.adapter)
-        return registry.build(spec.name, cfg, registry.ModeResources(mask_id, self.vocab_size))
+        resources = registry.ModeResources(mask_id, self.vocab_size)
+        if plan is not None:
+            base = dataclasses.asdict(cfg) if cfg is not None else {}
+            return registry.build_planned(spec.name, base, plan, resources)
+        return registry.build(spec.name, cfg, resources)
 
     def _ensure_adapter(self, adapter: str | None) -> None:
         if adapter is None:
@@ -178,9 +186,10 @@ class HFEngine:
         batch_size: int | None = None,
         callbacks: Sequence[StepCallback] = (),
         logprobs: bool = False,
+        plan: Any = None,
     ) -> list[GenerationOutput]:
         """`callbacks` see every step (`generate.StepEvent`); `logprobs=True` fills each output's
-        per-token log-probabilities (see `engines/generate.py`)."""
+        per-token log-probabilities (see `engines/generate.py`); `plan`: see `build_mode`."""
         prompts = [list(map(int, p)) for p in prompt_ids]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -190,7 +199,7 @@ class HFEngine:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
         seeds = base_seeds(seed, n)
         stops = normalize_stop_ids(self.default_stop_ids() if stop_token_ids is None else stop_token_ids)
-        mode_obj = self.build_mode(mode, mode_config)
+        mode_obj = self.build_mode(mode, mode_config, plan)
         if mode_obj.greedy_only and any(not p.greedy for p in params):
             raise ValueError(f"{mode_obj.name.upper()} decoding is greedy only (temperature 0)")
         size = batch_size or n

@@ -52,6 +52,7 @@ class ResolvedConfig:
     mask_token_id: int | None = None
     adapter: str | None = None  # RISD: PEFT adapter directory
     sources: dict[str, str] = field(default_factory=dict)  # option -> where it came from
+    plan: dict[str, Any] | None = None  # a width plan (`decoding/width_plan.py`): per batch size, its options
 
     @property
     def spec(self) -> registry.ModeSpec:
@@ -70,7 +71,12 @@ class ResolvedConfig:
 
     def describe(self) -> str:
         opts = ", ".join(f"{k}={v!r} ({self.sources.get(k, 'default')})" for k, v in sorted(self.options.items()))
-        return f"{self.algorithm}: width {self.width}; {opts}"
+        plan = ""
+        if self.plan is not None:
+            from selfspec.decoding.width_plan import WidthPlan
+
+            plan = f"; width plan ({self.sources.get('plan', '?')}): {WidthPlan.from_dict(self.plan, self.mode).describe()}"
+        return f"{self.algorithm}: width {self.width}; {opts}{plan}"
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -125,8 +131,10 @@ def build_mode(cfg: ResolvedConfig):
     vocab = _model_config(cfg.model_path).get("vocab_size")
     if spec.needs_vocab_size and vocab is None:
         raise _err(f"{cfg.algorithm} needs the vocabulary size: {cfg.model_path}/config.json has no vocab_size")
-    config = registry.parse_mode_config(spec.name, dict(cfg.options))
     resources = registry.ModeResources(cfg.mask_token_id, int(vocab) if vocab is not None else None)
+    if cfg.plan is not None:
+        return registry.build_planned(spec.name, dict(cfg.options), cfg.plan, resources)
+    config = registry.parse_mode_config(spec.name, dict(cfg.options))
     return registry.build(spec.name, config, resources)
 
 
@@ -143,6 +151,7 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
     meta = _load_metadata(model_path)
 
     yaml_mode = yaml_cfg.pop("mode", None)
+    plan = yaml_cfg.pop("plan", None)
     if yaml_mode is not None and str(yaml_mode).upper() != algorithm:
         raise _err(f"--selfspec-config {flags['config']} is a {str(yaml_mode).upper()} preset but "
                    f"--speculative-algorithm is {algorithm}: use the matching preset or algorithm")
@@ -184,6 +193,8 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
         put(k, v, f"--selfspec-{k.replace('_', '-')}" if k in ("stride", "tau") else "--selfspec-options")
 
     cfg = ResolvedConfig(algorithm=algorithm, model_path=model_path, options=options, width=0, sources=sources)
+    if plan is not None:
+        cfg.plan, sources["plan"] = plan, f"--selfspec-config {flags['config']}"
     _check_mode_specific(cfg, server_args, flags, meta)
     try:
         mode = build_mode(cfg)

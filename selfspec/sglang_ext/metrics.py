@@ -67,6 +67,8 @@ class AggregateStats:
         self.window_req_forwards = 0
         self.window_query = 0
         self.window_time = 0.0
+        self.window_width = 0  # sum of the steps' forward widths (a width plan varies it)
+        self.last_step_width = 0
         self._gauges = None
         self._last_log = time.monotonic()
 
@@ -77,8 +79,10 @@ class AggregateStats:
         self.finished.query_tokens += m.query_tokens
         self.finished.accept_hist.update(m.accept_hist)
 
-    def step(self, batch_size: int, committed: int, query_tokens: int, seconds: float) -> None:
+    def step(self, batch_size: int, committed: int, query_tokens: int, seconds: float, width: int = 0) -> None:
         self.steps += 1
+        self.window_width += width
+        self.last_step_width = width
         self.window_req_forwards += batch_size
         self.window_tokens += committed
         self.window_query += query_tokens
@@ -90,6 +94,7 @@ class AggregateStats:
         out = self.finished.to_dict()
         out["requests"] = self.num_finished
         out["mode"] = self.algorithm
+        out["last_step_width"] = self.last_step_width
         return out
 
     def flush(self) -> None:
@@ -100,13 +105,14 @@ class AggregateStats:
         fin = self.finished
         tpf = fin.tokens_per_forward if fin.forwards else float("nan")
         logger.info("[selfspec] %s: accepted length %.2f (last %d steps), TPF %.2f over %d finished requests, "
-                    "query tokens per committed token %.2f, worker step %.1f ms", self.algorithm, accept,
-                    LOG_EVERY, tpf, self.num_finished, overhead, 1e3 * self.window_time / max(1, LOG_EVERY))
-        self._set_gauges(tpf if fin.forwards else accept, accept, overhead)
-        self.window_tokens = self.window_req_forwards = self.window_query = 0
+                    "query tokens per committed token %.2f, step width %.1f, worker step %.1f ms", self.algorithm,
+                    accept, LOG_EVERY, tpf, self.num_finished, overhead, self.window_width / max(1, LOG_EVERY),
+                    1e3 * self.window_time / max(1, LOG_EVERY))
+        self._set_gauges(tpf if fin.forwards else accept, accept, overhead, self.window_width / max(1, LOG_EVERY))
+        self.window_tokens = self.window_req_forwards = self.window_query = self.window_width = 0
         self.window_time = 0.0
 
-    def _set_gauges(self, tpf: float, accept: float, overhead: float) -> None:
+    def _set_gauges(self, tpf: float, accept: float, overhead: float, width: float) -> None:
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             return
         try:
@@ -120,8 +126,9 @@ class AggregateStats:
                     g("selfspec:tokens_per_forward", "Tokens per forward of finished requests (prefill included)."),
                     g("selfspec:accept_length", "Tokens committed per request per decode forward (recent steps)."),
                     g("selfspec:compute_overhead", "Query tokens per committed token (recent steps)."),
+                    g("selfspec:step_width", "Query tokens per request of the verify forward (recent steps' mean)."),
                 )
-            for gauge, value in zip(self._gauges, (tpf, accept, overhead)):
+            for gauge, value in zip(self._gauges, (tpf, accept, overhead, width)):
                 gauge.labels(mode=self.algorithm).set(value)
         except Exception as e:  # metrics must never break serving
             logger.debug("selfspec gauges unavailable: %s", e)

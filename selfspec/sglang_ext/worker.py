@@ -144,6 +144,7 @@ class SelfSpecWorker(BaseSpecWorker):
         self.states: dict[str, RequestState] = {}
         self.stats = metricsmod.AggregateStats(self.cfg.algorithm)
         self.verify_ops = verify_ops(self.device)
+        self._fixed_forward_width = torch.device(self.device).type == "cuda"
         self.gate = None  # the gated LoRA's gate (modes that need an adapter)
         if self.cfg.spec.needs_adapter:
             handle = loramod.attach_to_sglang_model(self.model_runner.model, self.cfg.adapter)
@@ -232,13 +233,16 @@ class SelfSpecWorker(BaseSpecWorker):
         t0 = time.perf_counter()
         reqs = batch.reqs
         bs = len(reqs)
-        W = self.width
         dev = self.device
         states = [self._state_for(r) for r in reqs]
         seqs = [st.seq for st in states]
 
         layouts = self.mode.layouts(seqs)
         real_widths = [len(lay) for lay in layouts]
+        # The forward's width: SGLang reserved self.width KV slots per request; a planned mode
+        # runs narrower steps in the first W of them. CUDA graphs were captured at one width, so
+        # GPU steps keep it (padding).
+        W = self.width if self._fixed_forward_width else min(self.width, self.mode.step_width)
         step = collate([pad_layout(lay, W, self.pad_token) for lay in layouts], self.pad_token, device=dev)
 
         seq_lens = batch.seq_lens
@@ -266,7 +270,7 @@ class SelfSpecWorker(BaseSpecWorker):
         outcomes = self.mode.finish(seqs, step, logits, ctx)
 
         accept_lens_list = []
-        emitted = torch.zeros(bs, W, dtype=torch.int64)
+        emitted = torch.zeros(bs, self.width, dtype=torch.int64)  # the scheduler reads this stride
         src, tgt = [], []
         for r, (st, out) in enumerate(zip(states, outcomes)):
             n = len(out.emit)
@@ -293,9 +297,9 @@ class SelfSpecWorker(BaseSpecWorker):
         if _DEBUG_TIMING:
             logger.info("[selfspec] step bs=%d plan %.1f ms forward %.1f ms finish %.1f ms", bs,
                         (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
-        self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0)
+        self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0, W)
         self._gc_states()
-        return _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, W)
+        return _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, self.width)
 
     # ------------------------------------------------------------------ helpers
     def _gate_off(self):

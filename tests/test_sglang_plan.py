@@ -1,0 +1,64 @@
+"""A width plan served by stock SGLang (`--selfspec-config` with a `plan:`): each decode step
+runs the bucket of its batch size (ISD with candidates alone, plain AR steps at mid sizes,
+stride 2 above), and the output stays exactly AR's when the width changes between steps
+(sequential requests, a 16-request burst whose batch grows and shrinks), sampled output
+follows the AR server's sampling; the log reports each step's width."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+from sglang_fixtures import (
+    ar_reference,  # noqa: F401  (fixture)
+    check_lossless,
+    check_sampling_matches_ar,
+    heldout_ids,  # noqa: F401  (fixture)
+    server_args,
+    start_server,
+    wait_tokens_zero,
+    DEFAULT_PATH,
+)
+
+pytestmark = pytest.mark.server
+
+PLAN = [{"max_batch": 2, "stride": 3, "context_tokens": 4}, {"max_batch": 8, "mode": "ar"},
+        {"max_batch": None, "stride": 2}]
+#: each bucket's forward width: ISD 1 + 2(N-1) (+ candidate 4 + its MASK tail N-1), AR 1
+WIDTHS = {11, 1, 3}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, ar_reference):
+    cfg = tmp_path_factory.mktemp("plan") / "planned.yaml"
+    cfg.write_text(yaml.safe_dump({"mode": "ISD", "plan": {"greedy": PLAN, "sampled": PLAN}}))
+    proc = start_server(tmp_path_factory, "plan", server_args(*DEFAULT_PATH, "--speculative-algorithm", "ISD",
+                                                              "--selfspec-config", str(cfg)),
+                        env={"SELFSPEC_LOG_EVERY": "1"})
+    yield proc
+    proc.stop()
+
+
+def _widths_logged(server) -> set[float]:
+    return {float(w) for w in re.findall(r"step width ([0-9.]+)", server.log_file.read_text())}
+
+
+def test_plan_is_announced(server):
+    log = server.log_file.read_text()
+    assert "width plan" in log and "<=8: ar" in log, log[-3000:]
+
+
+def test_planned_greedy_equals_ar_sequential(server, heldout_ids, ar_reference):
+    check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=False)
+    assert 11.0 in _widths_logged(server)  # batch 1: the first bucket
+
+
+def test_planned_greedy_equals_ar_burst(server, heldout_ids, ar_reference):
+    check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=True)
+    assert WIDTHS <= _widths_logged(server), _widths_logged(server)
+    assert wait_tokens_zero(server.base_url) == 0
+
+
+def test_planned_sampling_matches_the_ar_servers_sampling(server, ar_reference):
+    check_sampling_matches_ar(server.base_url, ar_reference)

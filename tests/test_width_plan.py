@@ -1,0 +1,119 @@
+"""Width plans (`selfspec/decoding/width_plan.py`): the step's mode configuration follows the
+batch size, and decoding stays lossless when it changes between steps (greedy exact vs AR,
+sampled output distributed as AR sampling), on the HF engine. Sequences finish at different
+steps (a frequent stop token), so the batch shrinks across bucket boundaries mid-generation."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+import selfspec.decoding.width_plan as width_plan
+from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.width_plan import WidthPlan
+from selfspec.engines.hf import HFEngine
+from selfspec.engines.testing import (
+    add_mask_token, chi_square_pvalue, compare_greedy, exact_distribution, random_prompts, tiny_qwen3,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 128
+MAX_NEW = 24
+
+
+@pytest.fixture
+def buckets_used(monkeypatch):
+    """(batch size, bucket mode object) of every planned step."""
+    seen: list = []
+    original = width_plan.PlannedMode.layouts
+
+    def spy(self, seqs):
+        out = original(self, seqs)
+        seen.append((len(seqs), self.current))
+        return out
+
+    monkeypatch.setattr(width_plan.PlannedMode, "layouts", spy)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_qwen3(VOCAB, seed=11).eval()
+    mask_id = add_mask_token(model)
+    prompts = random_prompts(24, VOCAB, 1, 16, seed=5)
+    engine = HFEngine(model, mask_token_id=mask_id)
+    plain = engine.generate(prompts, MAX_NEW, stop_token_ids=[], batch_size=24)
+    # the most frequent generated token stops sequences at different steps
+    stop = Counter(t for o in plain for t in o.token_ids).most_common(1)[0][0]
+    reference = engine.generate(prompts, MAX_NEW, stop_token_ids=[stop], batch_size=24)
+    return engine, model, prompts, stop, reference
+
+
+PLANS = {
+    "isd": [{"max_batch": 8, "stride": 3, "context_tokens": 4}, {"max_batch": 18, "mode": "ar"},
+            {"max_batch": None, "stride": 2}],
+    "sjd": [{"max_batch": 12, "window": 4, "context_tokens": 3}, {"max_batch": None, "window": 1}],
+    "jacobi": [{"max_batch": 16, "block_size": 4, "context_tokens": 3}, {"max_batch": None, "mode": "ar"}],
+}
+
+
+@pytest.mark.parametrize("mode", sorted(PLANS))
+def test_greedy_exact_when_the_width_changes_between_steps(setup, buckets_used, mode):
+    engine, model, prompts, stop, reference = setup
+    outs = engine.generate(prompts, MAX_NEW, stop_token_ids=[stop], mode=mode, plan=PLANS[mode], batch_size=24)
+    cmp = compare_greedy(model, prompts, [o.token_ids for o in outs], [o.token_ids for o in reference])
+    assert not cmp.failures and cmp.excused == 0, "\n".join(cmp.failures)
+    used = {id(m) for _, m in buckets_used}
+    assert len(used) == len(PLANS[mode]), f"not every bucket ran: {[(b, type(m).__name__) for b, m in buckets_used]}"
+
+
+def test_each_step_runs_its_batch_sizes_bucket(setup, buckets_used):
+    engine, _, prompts, stop, _ = setup
+    mode = engine.build_mode("isd", None, PLANS["isd"])
+    engine.generate(prompts, MAX_NEW, stop_token_ids=[stop], mode=mode, batch_size=24)
+    for size, used in buckets_used:
+        assert used is mode.greedy_modes[mode.plan.bucket(size, False)], size
+
+
+def test_sampling_keeps_the_ar_distribution_across_switches(buckets_used):
+    model = tiny_qwen3(8, hidden_size=32, seed=4, initializer_range=0.3).eval()
+    mask_id = add_mask_token(model)
+    engine = HFEngine(model, mask_token_id=mask_id)
+    prompt, steps, sampling, n, stop = [1, 2, 3], 3, SamplingParams(1.0), 20_000, 5
+    plan = {"greedy": [{"max_batch": None, "mode": "ar"}],
+            "sampled": [{"max_batch": 19_000, "stride": 2}, {"max_batch": 19_400, "mode": "ar"},
+                        {"max_batch": None, "stride": 3, "context_tokens": 2, "context_match_sizes": [1]}]}
+    outs = engine.generate([prompt] * n, steps + 1, sampling, seed=list(range(n)), stop_token_ids=[stop],
+                           mode="isd", plan=plan, batch_size=n)
+    # the exact law of the first `steps` tokens, cut after the stop token
+    exact: Counter = Counter()
+    for seq, p in exact_distribution(model, prompt, steps, sampling).items():
+        cut = seq[: seq.index(stop) + 1] if stop in seq else seq
+        exact[cut] += p
+    counts = Counter(tuple(o.token_ids[:steps]) for o in outs)
+    stat, pvalue, dof = chi_square_pvalue(counts, dict(exact))
+    assert pvalue > 0.01, (stat, dof)
+    assert len({id(m) for _, m in buckets_used}) == 3, [b for b, _ in buckets_used]
+
+
+@pytest.mark.parametrize("plan, problem", [
+    ([{"max_batch": 4, "stride": 3}, {"max_batch": 2, "mode": "ar"}], "integer above 4"),
+    ([{"max_batch": None, "stride": 3}, {"max_batch": 8, "mode": "ar"}], "only the last bucket"),
+    ([{"max_batch": 4, "mode": "sjd"}], "runs isd or ar"),
+    ([{"max_batch": 4, "mode": "ar", "stride": 2}], "takes no options"),
+    ({"greedy": [], "sampled": None}, "non-empty list"),
+    ({"fast": [{"max_batch": 1}]}, "greedy"),
+])
+def test_bad_plans_are_named(plan, problem):
+    with pytest.raises(ValueError, match=problem):
+        WidthPlan.from_dict(plan, "isd")
+
+
+def test_plan_round_trips_and_bad_bucket_options_fail_at_build(setup):
+    plan = WidthPlan.from_dict(PLANS["isd"], "isd")
+    assert WidthPlan.from_dict(plan.to_dict(), "isd") == plan
+    engine = setup[0]
+    with pytest.raises(ValueError, match="stride"):
+        engine.build_mode("isd", None, [{"max_batch": None, "stride": 1}])
