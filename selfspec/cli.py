@@ -1,4 +1,4 @@
-"""`selfspec` command line: models, generate, serve, train, bench."""
+"""`selfspec` command line: models, generate, serve, train, bench, tune."""
 
 from __future__ import annotations
 
@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
                          description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_arguments(p)
     p.set_defaults(func=serve.run)
+
+    from selfspec.tuning import command as tune
+
+    p = sub.add_parser("tune", help="measure this machine's cost model and write a per-batch-size width plan",
+                       description=tune.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune.add_arguments(p)
+    p.set_defaults(func=tune.run)
     return parser
 
 

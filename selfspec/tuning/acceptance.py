@@ -1,0 +1,70 @@
+"""Tokens committed per decode step of each candidate configuration, measured offline.
+
+A candidate is one configuration a plan bucket could run: plain AR (width 1) or the mode with
+some options. Its acceptance does not depend on the batch it runs in (every mode decides each
+sequence on its own), so each candidate decodes the held-out prompts once per sampling setting
+on the HF engine, all prompts in one batch, and reports committed tokens per decode step. Its
+width is the widest layout of its mode object: what a planned server step pads every request
+to (`Mode.step_width`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from selfspec.decoding.sampling import SamplingParams
+
+#: The widths searched per mode: stride N for ISD / RISD, window W for SJD, block size n for
+#: JACOBI, each with and without a context candidate of a few lengths (the embedded I-DLM
+#: models are trained for strides 2-4).
+GRIDS: dict[str, list[dict[str, Any]]] = {
+    "isd": [{"stride": n, "context_tokens": k, "context_tail": False} for n in (2, 3, 4) for k in (0, 4, 8)],
+    "sjd": [{"window": w, "context_tokens": k} for w in (1, 2, 4) for k in (0, 4, 8)],
+    "jacobi": [{"block_size": n, "context_tokens": k} for n in (4, 8) for k in (0, n - 1)],
+}
+GRIDS["risd"] = GRIDS["isd"]
+
+
+@dataclass
+class Candidate:
+    mode: str  # "ar" or the tuned mode
+    options: dict[str, Any] = field(default_factory=dict)
+    width: int = 1  # query tokens per request of its steps (padded)
+    tokens_per_step: dict[str, float] = field(default_factory=dict)  # "greedy" / "sampled" -> committed per step
+
+    @property
+    def label(self) -> str:
+        if self.mode == "ar":
+            return "ar"
+        return ",".join(f"{k}={v}" for k, v in self.options.items()) or "defaults"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "options": self.options, "width": self.width,
+                "tokens_per_step": self.tokens_per_step}
+
+
+def candidates_for(mode: str, grid: list[dict[str, Any]] | None = None) -> list[Candidate]:
+    """AR, then every grid point of `mode`."""
+    return [Candidate("ar")] + [Candidate(mode, dict(opts)) for opts in (grid if grid is not None else GRIDS[mode])]
+
+
+def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_new_tokens: int,
+            samplings: dict[str, SamplingParams], base_options: dict[str, Any] | None = None, seed: int = 0,
+            progress=None) -> None:
+    """Fill each candidate's width and tokens_per_step (per sampling kind) in place."""
+    for cand in candidates:
+        options = None if cand.mode == "ar" else {**(base_options or {}), **cand.options}
+        mode_obj = engine.build_mode(cand.mode, options)
+        cand.width = int(mode_obj.max_width)
+        for kind, sampling in samplings.items():
+            if mode_obj.greedy_only and not sampling.greedy:
+                cand.tokens_per_step[kind] = float("nan")  # cannot serve sampled batches
+            else:
+                outs = engine.generate(prompts, max_new_tokens, sampling, seed=seed, stop_token_ids=[],
+                                       mode=mode_obj, batch_size=len(prompts))
+                tokens = sum(o.metrics.committed_tokens - 1 for o in outs)  # the prefill's token excluded
+                steps = sum(o.metrics.forwards - 1 for o in outs)
+                cand.tokens_per_step[kind] = tokens / max(steps, 1)
+            if progress is not None:
+                progress.update(1)

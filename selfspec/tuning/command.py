@@ -1,0 +1,232 @@
+"""`selfspec tune`: measure this machine's forward cost and each configuration's acceptance, pick
+the width per batch size, print the table, write a serving config with the plan.
+
+    selfspec tune --model tiny-idlm --modes isd,sjd [--prompts bench/prompts/heldout.jsonl]
+        [--batch-sizes 1,2,4,8,16,32] [--temperature 0.7] [--out serving_configs/tuned-{host}-{mode}.yaml]
+
+Serve the result with `--speculative-algorithm ISD --selfspec-config <file>`: the worker then runs
+each decode step with the configuration of the bucket its batch falls in (greedy batches and
+batches with sampled rows apart), plain AR steps included. The forward cost is measured on the
+HF engine with `--threads` torch threads (default 1, what `selfspec bench serve` gives each CPU
+server process) and `--dtype` (default float32, what `selfspec serve` uses on a CPU). What a
+served step costs besides the forward (scheduling, bookkeeping) is measured on a real server of
+the mode running plain AR steps, at the smallest and largest batch (`calibrate.py`; about a
+minute), or given with `--step-overhead-ms BASE[,PER_REQUEST]` (0 for the offline engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from selfspec.errors import UsageError
+
+DEFAULT_PROMPTS = "bench/prompts/heldout.jsonl"
+DEFAULT_OUT = "serving_configs/tuned-{host}-{mode}.yaml"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", required=True, help="embedded model name or checkpoint / adapter directory")
+    p.add_argument("--modes", default="isd", help="comma-separated served modes to tune (isd, risd, jacobi, sjd); "
+                   "one serving config each")
+    p.add_argument("--prompts", default=DEFAULT_PROMPTS, help='JSON lines {"prompt": "..."} (default %(default)s)')
+    p.add_argument("--limit", type=int, default=8, help="prompts used for the acceptance runs (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per acceptance run (default 64)")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32",
+                   help="batch sizes of the cost grid; the plan covers 1 … the largest (default %(default)s)")
+    p.add_argument("--widths", default="1,2,4,8,12,16,24",
+                   help="query tokens per request of the cost grid (default %(default)s)")
+    p.add_argument("--context", type=int, default=192, help="tokens already cached per request when timing")
+    p.add_argument("--reps", type=int, default=5, help="timed forwards per grid point (median)")
+    p.add_argument("--temperature", type=float, default=0.7, help="the sampled batches' temperature (default 0.7)")
+    p.add_argument("--step-overhead-ms", default=None, metavar="BASE[,PER_REQUEST]",
+                   help="a step's cost beyond the forward, in ms (BASE + PER_REQUEST x batch); default: measured "
+                   "on a server of the mode (use 0 for a plan for the offline engine)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads while timing (default 1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=DEFAULT_OUT, help="serving config path; {host} and {mode} are filled "
+                   "(default %(default)s)")
+    p.add_argument("--json", dest="json_out", default=None, help="also write every measurement and prediction here")
+    return p
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected comma-separated integers") from None
+    if not values or values[0] < 1:
+        raise UsageError(f"{flag} {text!r}: expected integers >= 1")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    from selfspec.decoding import registry
+    from selfspec.tuning.acceptance import GRIDS
+
+    out = []
+    for name in (m.strip() for m in text.split(",") if m.strip()):
+        try:
+            spec = registry.get(name)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if spec.sglang_algorithm is None or spec.name not in GRIDS:
+            raise UsageError(f"--modes {name}: tune a served selfspec mode ({', '.join(sorted(GRIDS))})")
+        out.append(spec.name)
+    if not out:
+        raise UsageError("--modes: name at least one mode")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from selfspec.benchmarks.offline import load_prompts
+    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.engines.hf import HFEngine
+    from selfspec.tuning import acceptance, cost
+    from selfspec.tuning.choose import buckets, choose, throughput
+
+    modes = _modes(args.modes)
+    batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
+    widths = _int_list(args.widths, "--widths")
+    if args.temperature <= 0:
+        raise UsageError("--temperature: the sampled batches' temperature must be > 0 (greedy is always tuned)")
+    if not Path(args.prompts).is_file():
+        raise UsageError(f"--prompts {args.prompts}: no such file")
+    overhead = _overhead_flag(args.step_overhead_ms)
+    torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    engine = HFEngine.from_pretrained(args.model, dtype=dtype)
+    try:
+        _, prompts = load_prompts(args.prompts, engine.tokenizer, args.limit)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    samplings = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=args.temperature)}
+    cands = {m: acceptance.candidates_for(m) for m in modes}
+    # widths beyond the grid are extrapolated; extend the grid to the widest candidate instead
+    widest = max(engine.build_mode(m, opts).max_width
+                 for m in modes for opts in acceptance.GRIDS[m])
+    if widest > widths[-1]:
+        widths.append(widest)
+    calibrate = [1, batch_sizes[-1]] if overhead is None else []
+    total = (len(batch_sizes) * len(widths) + sum(len(c) * len(samplings) for c in cands.values())
+             + len(calibrate) * len(modes))
+    t0 = time.perf_counter()
+    overheads: dict[str, cost.StepOverhead] = {}
+    with tqdm(total=total, desc="tune", unit="run") as bar:
+        raw = cost.measure(cost.hf_forward(engine, args.context), batch_sizes, widths, args.reps, bar)
+        table = raw.monotone()
+        for m in modes:
+            acceptance.measure(engine, cands[m], prompts, args.max_new_tokens, samplings, seed=args.seed, progress=bar)
+        for m in modes:
+            if overhead is not None:
+                overheads[m] = overhead
+            else:
+                from selfspec.tuning.calibrate import server_overhead
+
+                bar.set_description(f"tune: {m} server steps")
+                overheads[m] = server_overhead(args.model, m, table, prompts[0], calibrate, args.threads, progress=bar)
+    host = socket.gethostname().split(".")[0] or "host"
+    report: dict[str, Any] = {"schema": "selfspec.tune/v1", "model": args.model, "host": host,
+                              "threads": args.threads, "dtype": args.dtype, "temperature": args.temperature,
+                              "seconds": time.perf_counter() - t0, "costs": table.to_dict(),
+                              "costs_measured": raw.to_dict(), "modes": {}}
+    print(_cost_text(table))
+    for m in modes:
+        plan, lines = {}, []
+        for kind in samplings:
+            choices = choose(table, cands[m], kind, batch_sizes[-1], overheads[m])
+            plan[kind] = [b.to_dict() for b in buckets(choices)]
+            lines += _choice_text(m, kind, cands[m], choices, batch_sizes)
+        lines.insert(0, _overhead_text(overheads[m]))
+        out = Path(args.out.format(host=host, mode=m))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(_yaml_text(m, plan, table, cands[m], lines, args))
+        print("\n".join(lines))
+        print(f"wrote {out}: serve it with --speculative-algorithm {m.upper()} --selfspec-config {out}")
+        ov = overheads[m]
+        report["modes"][m] = {"config": str(out), "plan": plan, "candidates": [c.to_dict() for c in cands[m]],
+                              "step_overhead": {"base_ms": ov.base_ms, "per_request_ms": ov.per_request_ms,
+                                                "measured_step_ms": ov.measured},
+                              "predicted": {kind: {str(b): {c.label: _finite(throughput(table, c, kind, b, ov))
+                                                            for c in cands[m]} for b in batch_sizes}
+                                            for kind in samplings}}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _overhead_flag(text: str | None):
+    from selfspec.tuning.cost import StepOverhead
+
+    if text is None:
+        return None
+    try:
+        parts = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--step-overhead-ms {text!r}: expected BASE or BASE,PER_REQUEST in ms") from None
+    if len(parts) > 2 or any(v < 0 for v in parts):
+        raise UsageError(f"--step-overhead-ms {text!r}: expected BASE or BASE,PER_REQUEST, both >= 0")
+    return StepOverhead(parts[0], parts[1] if len(parts) == 2 else 0.0)
+
+
+def _overhead_text(ov) -> str:
+    seen = ""
+    if ov.measured:
+        seen = " (server AR step " + ", ".join(f"{v:.1f} ms at batch {b}" for b, v in sorted(ov.measured.items())) + ")"
+    return f"step cost beyond the forward: {ov.base_ms:.2f} ms + {ov.per_request_ms:.3f} ms per request{seen}"
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _cost_text(table) -> str:
+    head = "forward ms  " + "".join(f"{'w=' + str(w):>8}" for w in table.widths)
+    rows = [f"batch {b:<5} " + "".join(f"{t:8.2f}" for t in row) for b, row in zip(table.batch_sizes, table.ms)]
+    return "\n".join([head, *rows])
+
+
+def _choice_text(mode, kind, cands, choices, batch_sizes) -> list[str]:
+    lines = [f"{mode} {kind}: tokens per step (width) and predicted tok/s by batch size"]
+    lines.append(f"  {'candidate':36s} {'tok/step':>8} {'width':>5} " + "".join(f"{'b=' + str(b):>9}" for b in batch_sizes))
+    by_batch = {c.batch: c for c in choices}
+    for cand in cands:
+        tps = cand.tokens_per_step.get(kind, float("nan"))
+        cells = ""
+        for b in batch_sizes:
+            v = by_batch[b].tokens_per_s[cand.label]
+            mark = "*" if by_batch[b].best is cand else " "
+            cells += f"{v:8.0f}{mark}" if math.isfinite(v) else f"{'-':>8} "
+        lines.append(f"  {cand.label:36s} {tps:8.2f} {cand.width:5d} {cells}")
+    return lines
+
+
+def _yaml_text(mode, plan, table, cands, lines, args) -> str:
+    import yaml
+
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime())
+    head = [f"# Width plan for {mode.upper()}, written by `selfspec tune` on {socket.gethostname()} at {when}",
+            f"#   selfspec tune --model {args.model} --modes {args.modes} --batch-sizes {args.batch_sizes} "
+            f"--temperature {args.temperature} --threads {args.threads}",
+            f"# Serve: python -m sglang.launch_server --model-path <model> --speculative-algorithm {mode.upper()} "
+            "--selfspec-config <this file>",
+            "# Each decode step runs the bucket its batch falls in (max_batch: up to that many requests;",
+            "# greedy batches and batches with a sampled row apart); mode ar is a plain one-token step.",
+            "#",
+            f"# Measured forward time (ms), HF engine, {args.threads} thread(s), {args.dtype}, "
+            f"{args.context} cached tokens per request:"]
+    head += ["#   " + line for line in _cost_text(table).splitlines()]
+    head += ["#", f"# Acceptance: {args.limit} prompts of {args.prompts} x {args.max_new_tokens} tokens; "
+             f"sampled = temperature {args.temperature}; * = chosen"]
+    head += ["# " + line for line in lines]
+    body = yaml.safe_dump({"mode": mode.upper(), "plan": plan}, sort_keys=False, default_flow_style=None)
+    return "\n".join(head) + "\n" + body

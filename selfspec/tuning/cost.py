@@ -1,0 +1,118 @@
+"""Forward time of this machine by batch size and query tokens per request.
+
+The grid is measured with the HF engine's step runner on the model the plan is for: each
+point is one forward of `width` query tokens for each of `batch` sequences whose KV already
+holds `context` tokens, the median of `reps` timed runs after a warm-up. Between grid points the
+time is interpolated linearly in both coordinates; beyond the largest batch it is extrapolated
+along the last segment (the device is in its linear regime there).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class CostTable:
+    batch_sizes: list[int]  # increasing
+    widths: list[int]  # increasing query tokens per request
+    ms: list[list[float]]  # ms[i][j]: forward time at batch_sizes[i], widths[j]
+
+    def __post_init__(self) -> None:
+        if sorted(set(self.batch_sizes)) != list(self.batch_sizes) or sorted(set(self.widths)) != list(self.widths):
+            raise ValueError("cost grid coordinates must be increasing")
+        if len(self.ms) != len(self.batch_sizes) or any(len(r) != len(self.widths) for r in self.ms):
+            raise ValueError("cost grid shape does not match its coordinates")
+
+    def time_ms(self, batch: int, width: int) -> float:
+        """Interpolated forward time (ms) of `batch` requests with `width` query tokens each."""
+        return _interp(self.batch_sizes, [_interp(self.widths, row, width) for row in self.ms], batch)
+
+    def monotone(self) -> CostTable:
+        """The table with each time raised to the largest time of any smaller grid point: more
+        work never costs less, and a noisy fast point would otherwise pick a width by luck."""
+        ms = [list(row) for row in self.ms]
+        for i in range(len(ms)):
+            for j in range(len(ms[i])):
+                ms[i][j] = max(ms[i][j], ms[i][j - 1] if j else 0.0, ms[i - 1][j] if i else 0.0)
+        return CostTable(list(self.batch_sizes), list(self.widths), ms)
+
+    def to_dict(self) -> dict:
+        return {"batch_sizes": self.batch_sizes, "widths": self.widths, "ms": self.ms}
+
+
+@dataclass
+class StepOverhead:
+    """What a serving step costs beyond the model forward (scheduling, request bookkeeping,
+    sampling): base_ms + per_request_ms * batch, fitted from a server's measured AR steps
+    (`calibrate.py`) or given by hand."""
+
+    base_ms: float = 0.0
+    per_request_ms: float = 0.0
+    measured: dict[int, float] | None = None  # batch -> the server's measured step ms
+
+    def ms(self, batch: int) -> float:
+        return self.base_ms + self.per_request_ms * batch
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended along the first / last segment."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def measure(forward: Callable[[int, int], Callable[[], None]], batch_sizes: list[int], widths: list[int],
+            reps: int = 5, progress=None) -> CostTable:
+    """`forward(batch, width)` prepares one grid point and returns the call to time."""
+    ms = []
+    for b in batch_sizes:
+        row = []
+        for w in widths:
+            run = forward(b, w)
+            run()  # warm-up
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                run()
+                times.append(1e3 * (time.perf_counter() - t0))
+            row.append(statistics.median(times))
+            if progress is not None:
+                progress.update(1)
+        ms.append(row)
+    return CostTable(list(batch_sizes), list(widths), ms)
+
+
+def hf_forward(engine, context: int = 192) -> Callable[[int, int], Callable[[], None]]:
+    """Grid points on the HF engine: a KV cache of `batch` sequences holding `context` tokens,
+    then forwards of `width` causal query tokens that are never committed."""
+    import torch
+
+    from selfspec.decoding.step import StepLayout, collate
+    from selfspec.engines.kv_cache import SlotKVCache
+
+    vocab = engine.vocab_size
+
+    def point(batch: int, width: int) -> Callable[[], None]:
+        gen = torch.Generator().manual_seed(batch * 1000 + width)
+        cache = SlotKVCache(engine.num_layers, batch, context + width + 8, engine.device, engine.dtype)
+        prompt = torch.randint(0, vocab, (batch, context), generator=gen).tolist()
+        with torch.inference_mode():
+            engine.runner.forward(cache, collate([StepLayout(p) for p in prompt], device=engine.device))
+        cache.commit([list(range(context))] * batch)
+        step = collate([StepLayout(torch.randint(0, vocab, (width,), generator=gen).tolist()) for _ in range(batch)],
+                       device=engine.device)
+
+        def run() -> None:
+            with torch.inference_mode():
+                engine.runner.forward(cache, step)
+
+        return run
+
+    return point
