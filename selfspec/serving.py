@@ -17,8 +17,6 @@ from pathlib import Path
 from selfspec.errors import UserError
 from selfspec.models import resolve_with_adapter
 
-# On CPU the KV pool would otherwise be sized from free RAM (15 GB, nearly a minute to allocate).
-CPU_MAX_TOTAL_TOKENS = 65536
 SMALL_CPU_CORES = 4
 
 
@@ -119,16 +117,9 @@ class ServerSpec:
                 # other: tiny-base served 15% faster with one (idle 2-core box, `make demo`) and
                 # ~20x faster under contention. Larger machines keep OpenMP's default.
                 env.setdefault("OMP_NUM_THREADS", "1")
-            defaults = {
-                "--device": ["cpu"],
-                "--attention-backend": ["torch_native"],
-                "--max-total-tokens": [str(CPU_MAX_TOTAL_TOKENS)],
-                "--skip-server-warmup": [],
-                # AVX2 CPUs have no bf16 arithmetic: fp32 is faster there, and matches the HF
-                # reference engine's fp32 exactly.
-                "--dtype": ["float32"],
-            }
-            for flag, value in defaults.items():
+            from selfspec.sglang_ext.cpu_defaults import cli_defaults
+
+            for flag, value in cli_defaults().items():
                 if not _has_flag(extra, flag):
                     args += [flag, *value]
         return args + extra, env

@@ -143,7 +143,8 @@ def test_next_window_reuses_predictions_after_the_rejection():
 def test_ngram_proposer_uses_latest_earlier_match():
     h = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3]
     assert propose_ngram(h, 2) == [7, 8]  # latest earlier (1, 2, 3) is at 5..7
-    assert propose_ngram(h, 10) == [7, 8, 4, 1, 2, 3]  # stops at the end of history
+    assert propose_ngram(h, 10) == [7, 8, 4, 1, 2, 3, 7, 8, 4, 1]  # copies on past the end at the match's lag
+    assert propose_ngram([9, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # a loop of period 2 drafts all k tokens
     assert propose_ngram([5, 6, 1, 2, 7, 1, 2], 3) == [7, 1, 2]  # falls back to the 2-gram
     assert propose_ngram([1, 2, 3, 4], 3) == []
     idx = SuffixIndex((3, 2))

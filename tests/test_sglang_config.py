@@ -225,3 +225,50 @@ def test_risd_with_tensor_parallelism_refused(tiny_base_path, good_adapter):
     msg = _fails(tiny_base_path, "--speculative-algorithm", "RISD", "--selfspec-lora", str(good_adapter),
                  "--tp-size", "2")
     assert "--tp-size 1" in msg
+
+
+@pytest.mark.server
+def test_readme_command_serves_verbatim_without_an_accelerator(tmp_path, tiny_base_path):
+    """`python -m sglang.launch_server --model-path M --speculative-algorithm ISD`, nothing else,
+    with no SGLANG_USE_CPU_ENGINE in the environment: the plugin picks the CPU settings, says so
+    in one line, and the server answers."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from sglang_fixtures import native_generate
+
+    from selfspec.serving import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_USE_CPU_ENGINE", "SELFSPEC_CPU_DEFAULTS")}
+    env["OMP_NUM_THREADS"] = "1"
+    log = tmp_path / "server.log"
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_base_path), "--port", str(port),
+            "--speculative-algorithm", "ISD"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        assert proc.poll() is None, log.read_text()[-4000:]
+        res = native_generate(f"http://127.0.0.1:{port}", [1, 2, 3, 4], 8)
+        assert len(res["output_ids"]) == 8 and res["meta_info"]["selfspec_mode"] == "ISD"
+        text = log.read_text()
+        assert "No accelerator" not in text
+        line = next(x for x in text.splitlines() if "no accelerator found" in x)
+        assert "--device cpu" in line and "--attention-backend torch_native" in line
+    finally:
+        import signal
+
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)

@@ -48,10 +48,25 @@ def test_roofline_narrows_with_the_batch_and_buckets_follow():
         assert parsed.greedy[parsed.bucket(c.batch, False)].options == c.best.options
 
 
+def test_a_near_tie_keeps_the_previous_choice():
+    # stride 2 beats AR by 1% at batch 2 only: within the stickiness, batch 2 stays with batch 1's AR
+    cands = [CANDIDATES[0], Candidate("isd", {"stride": 2}, 3, {"greedy": 1.0, "sampled": 1.0})]
+    costs = CostTable([1, 2, 3], [1, 3], [[10.0, 11.0], [10.0, 9.9], [10.0, 11.0]])
+    assert [c.best.mode for c in choose(costs, cands, "greedy", 3, stickiness=0.0)] == ["ar", "isd", "ar"]
+    assert [c.best.mode for c in choose(costs, cands, "greedy", 3)] == ["ar", "ar", "ar"]
+
+
 def test_greedy_only_candidates_never_serve_sampled_batches():
     jacobi = Candidate("jacobi", {"block_size": 8}, 8, {"greedy": 5.0, "sampled": float("nan")})
     plan = choose(table(lambda b, w: 10.0), [CANDIDATES[0], jacobi], "sampled", 4)
     assert {c.best.mode for c in plan} == {"ar"}
+
+
+def test_monotone_fit_averages_a_spike_instead_of_spreading_it():
+    t = CostTable([1, 2], [1, 2, 4, 8], [[5.0, 12.0, 6.0, 7.0], [6.0, 7.0, 8.0, 9.0]]).monotone()
+    assert max(t.ms[0]) < 8.5  # the 12 ms spike is pooled with its neighbours, not carried to w=8
+    assert all(a <= b for row in t.ms for a, b in zip(row, row[1:]))
+    assert all(t.ms[0][j] <= t.ms[1][j] + 1e-9 for j in range(4))  # a larger batch never costs less
 
 
 def test_cost_interpolation_and_extrapolation():
@@ -62,3 +77,36 @@ def test_cost_interpolation_and_extrapolation():
     assert t.time_ms(64, 4) == pytest.approx(2.0 + 64 * 4)  # past the grid: along the last segment
     with pytest.raises(ValueError, match="increasing"):
         CostTable([4, 1], WIDTHS, [[1.0] * 4] * 2)
+
+
+def test_written_config_round_trips_into_the_server_config(tmp_path, tiny_base_path):
+    """What `selfspec tune` writes is a serving config: the server resolves its plan, and its
+    verify width is the widest bucket's."""
+    import argparse
+
+    import yaml
+    from sglang_fixtures import resolve_in_process
+
+    from selfspec.sglang_ext.config import load_yaml_config
+    from selfspec.tuning.command import _yaml_text
+
+    costs = table(lambda b, w: 5.0 * max(1.0, b * w / 16))
+    plan = {kind: [b.to_dict() for b in buckets(choose(costs, CANDIDATES, kind, 32))] for kind in ("greedy", "sampled")}
+    args = argparse.Namespace(model="tiny-base", modes="isd", batch_sizes="1,4,16,32", temperature=0.7, threads=1,
+                              dtype="float32", context=192, limit=8, prompts="p.jsonl", max_new_tokens=64)
+    path = tmp_path / "tuned.yaml"
+    path.write_text(_yaml_text("isd", plan, costs, CANDIDATES, ["a line"], args))
+    assert path.read_text().startswith("# Width plan for ISD")
+    loaded = load_yaml_config(path)
+    assert WidthPlan.from_dict(loaded["plan"], "isd") == WidthPlan.from_dict(plan, "isd")
+    assert yaml.safe_load(path.read_text())["mode"] == "ISD"
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    sa = resolving_view(resolve_in_process(["--model-path", str(tiny_base_path), "--device", "cpu", "--attention-backend",
+                             "torch_native", "--max-total-tokens", "4096", "--selfspec-config", str(path)]))
+    from selfspec.decoding import registry
+
+    widest = registry.build_planned("isd", {}, loaded["plan"], registry.ModeResources(mask_token_id=0)).max_width
+    assert widest > 1
+    assert sa.speculative_algorithm == "ISD"
+    assert int(sa.speculative_num_draft_tokens) == widest

@@ -30,6 +30,7 @@ JSON schema (`schema` = "selfspec.bench.offline/v1"; keys are only ever added):
           "status": "ok" | "skipped" | "error",
           "reason": str | null,                 # why skipped / the error
           "config": {...} | null,               # the mode's resolved configuration
+          "plan": {...} | null,                 # its width plan (--config FILE with a plan), else null
           "wall_s": float,                      # wall-clock seconds for all prompts
           "tokens": int,                        # generated tokens (stop tokens included)
           "tokens_per_s": float,
@@ -116,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--mode-config", action="append", default=[], metavar="MODE|LABEL:K=V,...",
                         help="per-mode options, e.g. isd:stride=4,tau=0.5 (repeatable)")
+    parser.add_argument("--config", action="append", default=[], metavar="MODE|LABEL:FILE.yaml",
+                        help="a serving config for one row (its options and width plan, e.g. what `selfspec tune` "
+                        "wrote): isd-tuned:serving_configs/tuned-vm-isd.yaml with --modes ...,isd-tuned=isd (repeatable)")
     parser.add_argument("--adapter", default=None, help="RISD adapter dir (PEFT format)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
@@ -136,6 +140,26 @@ def _mode_configs(entries: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _serving_configs(entries: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """`--config LABEL:FILE` entries -> (options per label, width plan per label)."""
+    import yaml
+
+    options: dict[str, dict[str, Any]] = {}
+    plans: dict[str, Any] = {}
+    for entry in entries:
+        label, sep, path = entry.partition(":")
+        if not sep or not Path(path).is_file():
+            raise ValueError(f"--config {entry!r}: expected MODE|LABEL:FILE.yaml with an existing file")
+        data = dict(yaml.safe_load(Path(path).read_text()) or {})
+        data.pop("mode", None)
+        plan = data.pop("plan", None)
+        key = label.strip().lower()
+        options.setdefault(key, {}).update(data)
+        if plan is not None:
+            plans[key] = plan
+    return options, plans
+
+
 def run_benchmark(
     engine,
     prompt_ids: list[list[int]],
@@ -147,8 +171,10 @@ def run_benchmark(
     mode_configs: dict[str, dict[str, Any]] | None = None,
     adapter: str | None = None,
     log=print,
+    plans: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run AR and the given modes on one engine; returns the per-mode result rows (schema above)."""
+    """Run AR and the given modes on one engine; returns the per-mode result rows (schema above).
+    `plans`: a width plan per label (`decoding/width_plan.py`)."""
     from selfspec.decoding import registry
     from selfspec.decoding.metrics import aggregate
     from selfspec.decoding.sampling import SamplingParams
@@ -169,9 +195,10 @@ def run_benchmark(
         if registry.get(mode).needs_adapter and adapter and "adapter" not in config:
             config["adapter"] = adapter
         try:
-            mode_obj = engine.build_mode(mode, config or None)
+            mode_obj = engine.build_mode(mode, config or None, (plans or {}).get(run.label))
             cfg_obj = getattr(mode_obj, "config", None)
             row["config"] = dataclasses.asdict(cfg_obj) if dataclasses.is_dataclass(cfg_obj) else None
+            row["plan"] = mode_obj.plan.to_dict() if hasattr(mode_obj, "plan") else None
             if mode_obj.greedy_only and not sampling.greedy:
                 raise ModeUnavailable(f"{mode.upper()} is greedy only; run it with --temperature 0")
             outs, batch_walls = _generate_timed(engine, prompt_ids, max_new_tokens, sampling, seed, mode_obj,
@@ -283,8 +310,12 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k))
+    configs = _mode_configs(args.mode_config)
+    file_options, plans = _serving_configs(args.config)
+    for label, opts in file_options.items():
+        configs[label] = {**opts, **configs.get(label, {})}
     rows = run_benchmark(engine, prompt_ids, modes, args.max_new_tokens, args.batch_size, sampling, args.seed,
-                         _mode_configs(args.mode_config), args.adapter, log=log)
+                         configs, args.adapter, log=log, plans=plans)
     result = {
         "schema": SCHEMA,
         "model": str(args.model),

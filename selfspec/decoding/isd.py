@@ -41,7 +41,7 @@ from selfspec.decoding.sampling import logits_to_probs, sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
-from selfspec.decoding.tree_verify import TreePlan, build_branches, verify_paths
+from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split, verify_paths
 
 
 @dataclass
@@ -154,17 +154,7 @@ class ISDMode(Mode):
         return out
 
     def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
-        outcomes: list[StepOutcome | None] = [None] * len(seqs)
-        chain = [b for b, s in enumerate(seqs) if s.state.plan is None]
-        if chain:
-            sub = seqs if len(chain) == len(seqs) else [seqs[b] for b in chain]
-            idx = torch.tensor(chain, dtype=torch.long, device=logits.device)
-            for b, out in zip(chain, self._finish_chains(sub, logits[idx], ctx.select(idx))):
-                outcomes[b] = out
-        for b, s in enumerate(seqs):
-            if s.state.plan is not None:
-                outcomes[b] = self._finish_tree(s, logits[b], ctx, b)
-        return outcomes
+        return finish_split(seqs, logits, ctx, self._finish_chains, self._finish_tree)
 
     def _finish_chains(self, seqs, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
         """Steps without a candidate branch, verified as one batch."""
@@ -205,12 +195,12 @@ class ISDMode(Mode):
         drawn = sample_from_probs(q, seeds).tolist()
         return drawn, [None if g else q[b] for b, g in enumerate(ctx.greedy.tolist())]
 
-    def _finish_tree(self, seq: DecodeSequence, logits: torch.Tensor, ctx: StepContext, b: int) -> StepOutcome:
+    def _finish_tree(self, seq: DecodeSequence, logits: torch.Tensor, ctx: StepContext) -> StepOutcome:
         """A step with a candidate branch (`tree_verify`): the winning path's drafts, then the
         MASK proposals of that path if it was accepted whole and has them."""
         plan = seq.state.plan
-        res = verify_paths(logits, plan.paths, ctx.seeds[b], float(ctx.temperature[b]), int(ctx.top_k[b]),
-                           float(ctx.top_p[b]), self.config.tau)
+        res = verify_paths(logits, plan.paths, ctx.seeds[0], float(ctx.temperature[0]), int(ctx.top_k[0]),
+                           float(ctx.top_p[0]), self.config.tau)
         path = plan.paths[res.path]
         positions = path.rows[1:] + [path.end_row]  # step index of draft i is positions[i]
         emit = path.tokens[: res.accepted] + [res.next_token]
@@ -219,7 +209,7 @@ class ISDMode(Mode):
         whole = res.accepted == len(path.tokens)
         seq.state.proposals, seq.state.proposal_probs = [], None
         if whole and tail is not None:
-            proposals, probs = self._propose(logits[tail].unsqueeze(0), ctx.select(torch.tensor([b], device=logits.device)))
+            proposals, probs = self._propose(logits[tail].unsqueeze(0), ctx)
             seq.state.proposals = proposals[0]
             seq.state.proposal_probs = probs[0] if probs is not None else None
         seq.state.plan = None

@@ -1,7 +1,8 @@
 """Prompt-lookup n-gram speculation: the draft-free baseline of the benchmarks.
 
 Draft: find the latest earlier occurrence of the last m committed tokens (m = 3, then 2) in
-the sequence's own history (prompt + output) and propose the k tokens that followed it. One
+the sequence's own history (prompt + output) and propose the k tokens that followed it (a copy of
+the history at that lag, which runs on past its end when the match is fewer than k tokens back). One
 step is a causal forward over [pending, d_1 … d_j] (j <= k; j = 0 is a plain AR step); the
 drafts are verified with the shared rules (greedy prefix, or p/q with one-hot q when sampling,
 which keeps AR's distribution) and the corrected / bonus token is emitted.
@@ -37,6 +38,19 @@ class NgramConfig:
             raise ValueError(f"ngram needs num_draft >= 1, got {self.num_draft}")
 
 
+def lagged_copy(history: list[int], lag: int, k: int) -> list[int]:
+    """The k tokens after `history` if it repeated itself with period `lag`: token t is token
+    t − lag. Up to the end of history this is the text that followed the earlier match; past
+    it (a match fewer than k tokens back, as in a loop of period < k) the copy runs on into the
+    tokens it has just drafted, so a short loop still drafts k tokens."""
+    out: list[int] = []
+    n = len(history)
+    for i in range(k):
+        src = n + i - lag
+        out.append(history[src] if src < n else out[src - n])
+    return out
+
+
 class SuffixIndex:
     """Latest end position of every m-gram of a growing token list, for each m in sizes."""
 
@@ -46,7 +60,8 @@ class SuffixIndex:
         self.indexed = 0  # m-grams ending before this position are indexed
 
     def propose(self, history: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of history's suffix."""
+        """k tokens continuing the latest earlier occurrence of history's suffix (`lagged_copy`),
+        or [] when the suffix never occurred before."""
         end = len(history) - 1  # the suffix ends at `end`; index m-grams ending before it
         for pos in range(self.indexed, end):
             for m in self.sizes:
@@ -58,7 +73,7 @@ class SuffixIndex:
                 continue
             hit = self.last_end[m].get(tuple(history[end - m + 1 : end + 1]))
             if hit is not None:
-                return list(history[hit + 1 : min(hit + 1 + k, end + 1)])
+                return lagged_copy(history, end - hit, k)
         return []
 
 

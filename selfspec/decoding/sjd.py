@@ -32,7 +32,7 @@ from selfspec.decoding.sampling import logits_to_probs, sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
-from selfspec.decoding.tree_verify import TreePlan, build_branches, verify_paths
+from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split, verify_paths
 
 
 @dataclass
@@ -125,17 +125,7 @@ class SJDMode(Mode):
         return out
 
     def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
-        outcomes: list[StepOutcome | None] = [None] * len(seqs)
-        chain = [b for b, s in enumerate(seqs) if s.state.plan is None]
-        if chain:
-            sub = seqs if len(chain) == len(seqs) else [seqs[b] for b in chain]
-            idx = torch.tensor(chain, dtype=torch.long, device=logits.device)
-            for b, out in zip(chain, self._finish_windows(sub, logits[idx], ctx.select(idx))):
-                outcomes[b] = out
-        for b, s in enumerate(seqs):
-            if s.state.plan is not None:
-                outcomes[b] = self._finish_tree(s, logits[b], ctx.select(torch.tensor([b], device=logits.device)))
-        return outcomes
+        return finish_split(seqs, logits, ctx, self._finish_windows, self._finish_tree)
 
     def _window_q(self, states: list[SJDState], drafts: torch.Tensor, vocab: int) -> torch.Tensor:
         """[B, W, V] the distributions the window's drafts came from (one-hot for history drafts)."""

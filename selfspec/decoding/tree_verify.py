@@ -32,7 +32,7 @@ import torch
 
 from selfspec.decoding import rng
 from selfspec.decoding.sampling import logits_to_probs
-from selfspec.decoding.step import StepLayout
+from selfspec.decoding.step import StepContext, StepLayout, StepOutcome
 
 
 @dataclass
@@ -83,6 +83,23 @@ def build_branches(pending: int, branches: list[tuple[list[int], int]], fill_tok
         branch += [len(branches) + 1] * extra
         gate += [False] * extra
     return StepLayout(tokens, offsets, branch, gate), TreePlan(paths, tails)
+
+
+def finish_split(seqs, logits: torch.Tensor, ctx: StepContext, finish_chains, finish_tree) -> list[StepOutcome]:
+    """A mode's step outcomes when some rows carry a tree (`seq.state.plan` set): the chain rows
+    verified as one batch, `finish_chains(seqs, logits, ctx)`, the tree rows one at a time,
+    `finish_tree(seq, logits [W, V], ctx of that row)`; outcomes in the batch's order."""
+    outcomes: list[StepOutcome | None] = [None] * len(seqs)
+    chain = [b for b, s in enumerate(seqs) if s.state.plan is None]
+    if chain:
+        sub = seqs if len(chain) == len(seqs) else [seqs[b] for b in chain]
+        idx = torch.tensor(chain, dtype=torch.long, device=logits.device)
+        for b, out in zip(chain, finish_chains(sub, logits[idx], ctx.select(idx))):
+            outcomes[b] = out
+    for b, s in enumerate(seqs):
+        if s.state.plan is not None:
+            outcomes[b] = finish_tree(s, logits[b], ctx.select(torch.tensor([b], device=logits.device)))
+    return outcomes
 
 
 @dataclass

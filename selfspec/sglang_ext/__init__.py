@@ -4,7 +4,7 @@ Installed with selfspec (entry point `sglang.srt.plugins` -> `plugin.register`),
 
     python -m sglang.launch_server --model-path M --speculative-algorithm ISD   # RISD | JACOBI | SJD
 
-works, on GPU and (with `selfspec serve`'s CPU flags) on CPU. Modules:
+works, on GPU and on CPU (without an accelerator the plugin fills the CPU settings). Modules:
 
 - `plugin`: the entry point (CPU stand-ins for sgl_kernel first, then everything below);
 - `registration`: `SpeculativeAlgorithm.register` + the spec class 0.5.23's scheduler needs;

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 def register() -> None:
     from selfspec.sglang_ext.cpu_compat import install_cpu_compat
+    from selfspec.sglang_ext.cpu_defaults import choose_cpu_engine
+
+    choose_cpu_engine()  # no accelerator and no CPU switch: the CPU engine (flags: cli_args)
 
     install_cpu_compat()
 

@@ -19,8 +19,8 @@ from selfspec.decoding.sampling import SamplingParams
 #: JACOBI, each with and without a context candidate of a few lengths (the embedded I-DLM
 #: models are trained for strides 2-4).
 GRIDS: dict[str, list[dict[str, Any]]] = {
-    "isd": [{"stride": n, "context_tokens": k, "context_tail": False} for n in (2, 3, 4) for k in (0, 4, 8)],
-    "sjd": [{"window": w, "context_tokens": k} for w in (1, 2, 4) for k in (0, 4, 8)],
+    "isd": [{"stride": n, "context_tokens": k, "context_tail": False} for n in (2, 3, 4) for k in (0, 4, 8, 16)],
+    "sjd": [{"window": w, "context_tokens": k} for w in (1, 2, 4) for k in (0, 4, 8, 16)],
     "jacobi": [{"block_size": n, "context_tokens": k} for n in (4, 8) for k in (0, n - 1)],
 }
 GRIDS["risd"] = GRIDS["isd"]

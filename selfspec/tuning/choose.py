@@ -4,7 +4,9 @@ A step of batch b where every request runs candidate c costs T(b, width_c) + ove
 forward, then what a server step costs besides, `cost.StepOverhead`) and commits
 b · tokens_per_step_c tokens, so its throughput is b · tokens_per_step_c / (T + overhead).
 Every batch size from 1 to `max_batch` gets its best candidate; runs of equal choices become
-one bucket, the last one open. The choice for greedy batches uses greedy acceptance; for
+one bucket, the last one open. A batch size keeps the previous size's choice while that is within
+`stickiness` of the best (the measured costs are noisy; a plan should not flip between two
+near-equal widths from one batch size to the next). The choice for greedy batches uses greedy acceptance; for
 batches with sampled rows, the sampled acceptance (a greedy-only mode never serves them).
 """
 
@@ -35,15 +37,17 @@ def throughput(costs: CostTable, cand: Candidate, kind: str, batch: int,
 
 
 def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: int,
-           overhead: StepOverhead = StepOverhead()) -> list[Choice]:
+           overhead: StepOverhead = StepOverhead(), stickiness: float = 0.03) -> list[Choice]:
     """The best candidate at every batch size 1 … max_batch (ties: the narrower)."""
-    out = []
+    out: list[Choice] = []
     for b in range(1, max_batch + 1):
         scores = {c.label: throughput(costs, c, kind, b, overhead) for c in candidates}
         usable = [c for c in candidates if math.isfinite(scores[c.label])]
         if not usable:
             raise ValueError(f"no candidate can serve {kind} batches")
         best = max(usable, key=lambda c: (scores[c.label], -c.width))
+        if out and scores[out[-1].best.label] >= (1.0 - stickiness) * scores[best.label]:
+            best = out[-1].best
         out.append(Choice(b, best, scores))
     return out
 

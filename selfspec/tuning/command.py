@@ -35,8 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--modes", default="isd", help="comma-separated served modes to tune (isd, risd, jacobi, sjd); "
                    "one serving config each")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help='JSON lines {"prompt": "..."} (default %(default)s)')
-    p.add_argument("--limit", type=int, default=8, help="prompts used for the acceptance runs (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per acceptance run (default 64)")
+    p.add_argument("--limit", type=int, default=16, help="prompts used for the acceptance runs (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens per prompt in the acceptance runs (default 128; acceptance grows with the output "
+                   "length on text that repeats itself, so use the length you serve)")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32",
                    help="batch sizes of the cost grid; the plan covers 1 … the largest (default %(default)s)")
     p.add_argument("--widths", default="1,2,4,8,12,16,24",

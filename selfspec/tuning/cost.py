@@ -33,12 +33,15 @@ class CostTable:
         return _interp(self.batch_sizes, [_interp(self.widths, row, width) for row in self.ms], batch)
 
     def monotone(self) -> CostTable:
-        """The table with each time raised to the largest time of any smaller grid point: more
-        work never costs less, and a noisy fast point would otherwise pick a width by luck."""
-        ms = [list(row) for row in self.ms]
-        for i in range(len(ms)):
-            for j in range(len(ms[i])):
-                ms[i][j] = max(ms[i][j], ms[i][j - 1] if j else 0.0, ms[i - 1][j] if i else 0.0)
+        """The closest table (least squares, row by row then column by column) in which more
+        work never costs less: one noisy fast point would otherwise pick a width by luck, and
+        one noisy slow point raised to a running maximum would spread to every wider point."""
+        rows = [_isotonic(row) for row in self.ms]
+        cols = [_isotonic([rows[i][j] for i in range(len(rows))]) for j in range(len(self.widths))]
+        ms = [[cols[j][i] for j in range(len(self.widths))] for i in range(len(rows))]
+        for i in range(len(ms)):  # the column pass can leave a row slightly out of order
+            for j in range(1, len(ms[i])):
+                ms[i][j] = max(ms[i][j], ms[i][j - 1])
         return CostTable(list(self.batch_sizes), list(self.widths), ms)
 
     def to_dict(self) -> dict:
@@ -57,6 +60,21 @@ class StepOverhead:
 
     def ms(self, batch: int) -> float:
         return self.base_ms + self.per_request_ms * batch
+
+
+def _isotonic(ys: list[float]) -> list[float]:
+    """Pool-adjacent-violators: the non-decreasing sequence nearest to ys in least squares."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    out: list[float] = []
+    for s, n in blocks:
+        out += [s / n] * int(n)
+    return out
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
