@@ -195,7 +195,9 @@ def run_benchmark(
         if registry.get(mode).needs_adapter and adapter and "adapter" not in config:
             config["adapter"] = adapter
         try:
-            mode_obj = engine.build_mode(mode, config or None, (plans or {}).get(run.label))
+            plan = (plans or {}).get(run.label)
+            mode_obj = (engine.build_mode(mode, config or None, plan) if plan is not None
+                        else engine.build_mode(mode, config or None))
             cfg_obj = getattr(mode_obj, "config", None)
             row["config"] = dataclasses.asdict(cfg_obj) if dataclasses.is_dataclass(cfg_obj) else None
             row["plan"] = mode_obj.plan.to_dict() if hasattr(mode_obj, "plan") else None
