@@ -204,3 +204,15 @@ def test_mode_lists_take_labelled_variants():
         parse_modes("isd,isd")
     with pytest.raises(ValueError, match="unknown decoding mode"):
         parse_modes("fast=eagle")
+
+
+def test_serving_config_rows_carry_their_options_and_plan(tmp_path):
+    from selfspec.benchmarks.offline import _serving_configs
+
+    f = tmp_path / "tuned.yaml"
+    f.write_text("mode: ISD\nstride: 3\nplan:\n  - {max_batch: 2, context_tokens: 4}\n  - {max_batch: null, mode: ar}\n")
+    options, plans = _serving_configs([f"isd-tuned:{f}"])
+    assert options == {"isd-tuned": {"stride": 3}}
+    assert plans["isd-tuned"][1] == {"max_batch": None, "mode": "ar"}
+    with pytest.raises(ValueError, match="LABEL:FILE"):
+        _serving_configs([str(f)])
