@@ -13,10 +13,12 @@ ISD's output equals AR's token for token (it must: ISD is lossless).
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,9 +68,6 @@ def _ask(server: ServerProcess, prompts: list[str], max_tokens: int) -> Run:
         return client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0)
 
     def ids(prompt: str) -> tuple[list[int], int]:
-        import json
-        import urllib.request
-
         body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
         req = urllib.request.Request(server.base_url + "/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})

@@ -109,16 +109,17 @@ class ServerSpec:
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        use_cpu = (not cuda_available()) if self.cpu is None else self.cpu
+        from selfspec.sglang_ext.cpu_defaults import CPU_ENGINE_ENV, accelerator_present, cli_defaults
+
+        # the plugin's rule for a bare launch, so both choose the CPU on the same machines
+        use_cpu = (not accelerator_present()) if self.cpu is None else self.cpu
         if use_cpu:
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env[CPU_ENGINE_ENV] = "1"
             if (os.cpu_count() or 1) <= SMALL_CPU_CORES:
                 # On a small machine two OpenMP threads spend small forwards waiting for each
                 # other: tiny-base served 15% faster with one (idle 2-core box, `make demo`) and
                 # ~20x faster under contention. Larger machines keep OpenMP's default.
                 env.setdefault("OMP_NUM_THREADS", "1")
-            from selfspec.sglang_ext.cpu_defaults import cli_defaults
-
             for flag, value in cli_defaults().items():
                 if not _has_flag(extra, flag):
                     args += [flag, *value]
