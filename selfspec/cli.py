@@ -132,6 +132,21 @@ def build_parser() -> argparse.ArgumentParser:
         recipes.add_arguments(p)
         p.set_defaults(func=recipes.run, recipe=name)
 
+    from selfspec.training import jacobi_forcing, jf_recipe, trajectories
+
+    p = train.add_parser("jf", help="Jacobi Forcing: train a causal LM on its own Jacobi trajectories (for JACOBI)",
+                         description=jacobi_forcing.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    jacobi_forcing.add_arguments(p)
+    p.set_defaults(func=jacobi_forcing.run)
+    p = train.add_parser("jf-trajectories", help="record a model's greedy Jacobi trajectories (Jacobi Forcing data)",
+                         description=trajectories.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    trajectories.add_arguments(p)
+    p.set_defaults(func=trajectories.run)
+    p = train.add_parser(jf_recipe.NAME, help=f"rebuild the embedded {jf_recipe.NAME} from its committed recipe",
+                         description=jf_recipe.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    jf_recipe.add_arguments(p)
+    p.set_defaults(func=jf_recipe.run)
+
     from selfspec.training import export
 
     p = sub.add_parser("export", help="export a training checkpoint as an SGLang-ready model (weights + selfspec.json)")

@@ -14,6 +14,7 @@ EMBEDDED_MODELS: dict[str, str] = {
     "tiny-base": "Qwen3-architecture causal LM (~5M parameters) trained on the Python standard library",
     "tiny-idlm": "I-DLM conversion of tiny-base (stride N=4, [MASK] proposals): serves ISD",
     "tiny-idlm-lora": "gated LoRA adapter over a frozen tiny-base (stride N=4): serves RISD, output equal to tiny-base",
+    "tiny-jf": "Jacobi Forcing of tiny-base (trained on its own Jacobi trajectories, n = 8 then 16): serves JACOBI",
 }
 
 

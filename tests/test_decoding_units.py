@@ -223,14 +223,15 @@ def test_metadata_describes_every_checkpoint_kind(tmp_path):
     meta = SelfspecMetadata(mode="jacobi", jacobi=registry_jacobi(), recipe={"cmd": "x"})
     meta.write(tmp_path)
     back = load_metadata(tmp_path)
-    assert back.jacobi.block_size == 16 and back.jacobi.num_blocks == 2 and back.jacobi.spawn_ratio == 0.85
+    assert back.jacobi.block_size == 16 and back.jacobi.max_blocks == 2 and back.jacobi.spawn_ratio == 0.85
+    assert back.option("block_size") == 16 and back.option("verify_size") == 4 and back.option("stride") is None
     assert back.to_dict() == meta.to_dict() and back.to_dict()["format_version"] == 1
 
 
 def registry_jacobi():
     from selfspec.decoding.metadata import JacobiMetadata
 
-    return JacobiMetadata(block_size=16, num_blocks=2, spawn_ratio=0.85)
+    return JacobiMetadata(block_size=16, max_blocks=2, spawn_ratio=0.85, verify_size=4)
 
 
 @pytest.mark.parametrize("text, problem", [("{not json", "not valid JSON"), ('{"stride": "four"}', "malformed"),

@@ -88,7 +88,7 @@ def test_defaults_and_width(tiny_base_path):
 def test_presets_parse_and_apply(tiny_base_path):
     from selfspec.sglang_ext.config import load_yaml_config
 
-    widths = {"isd-n4.yaml": 7, "risd-n4-lossless.yaml": None, "jacobi-mr.yaml": 44, "sjd.yaml": 5,
+    widths = {"isd-n4.yaml": 7, "risd-n4-lossless.yaml": None, "jacobi-mr.yaml": 45, "sjd.yaml": 5,
               "isd-context.yaml": 1 + 2 * 2 + 8}
     assert set(widths) == {f.name for f in PRESETS.glob("*.yaml") if not f.name.startswith("tuned-")}
     for name, width in widths.items():

@@ -15,7 +15,7 @@ from sglang_fixtures import (
 
 pytestmark = pytest.mark.server
 
-# small blocks keep the CPU verify tree at 1 + 7 + 8 + 3*3 + 7 = 32 query tokens per request
+# small blocks keep the CPU verify tree at 1 + 8 + 8 + 3*3 + 7 = 33 query tokens per request
 # (the last 7: a context n-gram candidate); the server builds its tree mask in the GPU backends'
 # full [W, L + W] layout (SELFSPEC_FULL_MASK), so the CPU run also checks the mask the GPU path
 # hands to SGLang. It runs on SGLang's default path (radix cache on, prompts prefilled in chunks

@@ -93,7 +93,7 @@ def test_recipe_and_tiny_base_options_come_from_their_configs():
     assert (cfg.time_budget_minutes, cfg.seed, cfg.lr) == (45.0, 0, 3e-3)
 
 
-@pytest.mark.parametrize("name", ["idlm", "tiny-base"])
+@pytest.mark.parametrize("name", ["idlm", "tiny-base", "jacobi-forcing"])
 def test_objectives_implement_the_protocol(name):
     from selfspec.training.config import LoopConfig
     from selfspec.training.objective import Objective, objective_class

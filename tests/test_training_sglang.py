@@ -68,3 +68,36 @@ def test_risd_adapter_export_serves_in_sglang(exports, micro_dir, tmp_path_facto
     ref = _hf_greedy(micro_dir, ids)  # RISD is lossless: the base's greedy AR output
     extra = ["--speculative-algorithm", "RISD", "--selfspec-lora", str(exports["risd"]), "--selfspec-stride", "3"]
     _serve_and_compare(tmp_path_factory, "risd-export", micro_dir, extra, ref, ids, "RISD")
+
+
+def test_embedded_jacobi_forcing_model_serves_jacobi_with_no_flags(tmp_path_factory, heldout_prompts):
+    """tiny-jf named as the model, `--speculative-algorithm JACOBI` and nothing else: the block size
+    and multi-block settings come from its selfspec.json, the output is its own greedy AR output
+    (the HF engine's) token for token, sequentially and in a concurrent burst, on the default
+    server path (radix cache, chunked prefill), and it commits several tokens per forward."""
+    from sglang_fixtures import DEFAULT_PATH, burst
+
+    from selfspec.models import resolve_model
+
+    model = resolve_model("tiny-jf")
+    ids = _ids(model)[:2] + [ids for ids in (_ids_of(model, p) for p in heldout_prompts[:6])]
+    ref = _hf_greedy(model, ids)
+    proc = start_server(tmp_path_factory, "tiny-jf", server_args(*DEFAULT_PATH, "--speculative-algorithm", "JACOBI"),
+                        model=model)
+    try:
+        seq = [native_generate(proc.base_url, x, MAX_NEW, ignore_eos=True) for x in ids]
+        par = burst(lambda x: native_generate(proc.base_url, x, MAX_NEW, ignore_eos=True), ids, 8)
+        for out in seq + par:
+            assert out["meta_info"]["selfspec_mode"] == "JACOBI"
+        assert [o["output_ids"] for o in seq] == ref
+        assert [o["output_ids"] for o in par] == ref
+        forwards = sum(o["meta_info"]["selfspec_forwards"] for o in seq)
+        assert len(ids) * MAX_NEW / forwards > 1.3
+    finally:
+        proc.stop()
+
+
+def _ids_of(model_dir: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)(text, add_special_tokens=False)["input_ids"]

@@ -24,13 +24,16 @@ Then (`update_blocks`):
   its remaining tokens take the new predictions (a Jacobi update). Pseudo-accepted tokens are
   never emitted; they are drafts the block will verify for real once promoted;
 - promotion: when RA has accepted all n positions, the first PA becomes RA, its first position
-  now holding the pending token (its other tokens are the new RA draft); without a PA a fresh
-  block is initialised;
+  now holding the pending token (its other tokens are the new RA draft); when the pending token
+  lands on RA's last position, the first PA becomes RA at once with all n of its tokens as the
+  draft (so no forward goes without a draft); without a PA a fresh block is initialised;
 - spawning: when the newest block has (pseudo-)accepted >= ceil(r·n) tokens and fewer than K
   blocks exist, a new PA is appended (RA's current draft, then initial tokens, to n).
-Fresh tokens come from `init`: "random" (the paper's choice; seeded vocab draws) or
-"history" (the sequence's last committed tokens: rejected, they fill the pool with n-grams of
-the recent text, which the candidates then reuse, much like prompt lookup).
+Fresh tokens come from `init`: "random" (the paper's choice; seeded vocab draws), "context"
+(seeded draws with replacement from the sequence's own tokens: what Jacobi Forcing's trajectories
+start from, `context_draft`) or "history" (the sequence's last committed tokens: rejected, they
+fill the pool with n-grams of the recent text, which the candidates then reuse, much like prompt
+lookup).
 """
 
 from __future__ import annotations
@@ -46,6 +49,17 @@ from selfspec.decoding.ngram_pool import NgramPool
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
 
 
+INITS = ("history", "context", "random")
+
+
+def context_draft(history: list[int], count: int, salt: int = 0) -> list[int]:
+    """`count` tokens drawn with replacement from `history`, seeded by the history's last token,
+    its length and `salt` (so a run repeats): the initial draft of a Jacobi block."""
+    seed = rng.hash_u32(torch.tensor(history[-1]), torch.tensor(len(history) + (salt << 20)))
+    picks = rng.hash_u32(seed, torch.arange(count)) % len(history)
+    return [history[i] for i in picks.tolist()]
+
+
 @dataclass
 class JacobiConfig:
     # CPU defaults, chosen by measured CPU time against AR (README "Mode defaults"); the reference
@@ -57,7 +71,7 @@ class JacobiConfig:
     pool_size: int = 4  # n-grams kept per first token
     verify_size: int = 4  # pool candidates verified per step beside the main draft
     ngram_size: int = 4  # pool n-gram length (a candidate drafts ngram_size - 1 tokens)
-    init: str = "history"  # fresh block tokens: "history" | "random" (the paper's)
+    init: str = "history"  # fresh block tokens: "history" | "context" | "random" (the paper's)
     # context n-gram candidate: up to this many tokens that followed the latest earlier match of
     # the sequence's suffix, one more candidate branch beside the pool's (0 = off)
     context_tokens: int = 0
@@ -70,8 +84,8 @@ class JacobiConfig:
             raise ValueError("JACOBI max_blocks must be >= 1")
         if not 0 < self.spawn_ratio <= 1:
             raise ValueError("JACOBI spawn_ratio must be in (0, 1]")
-        if self.init not in ("random", "history"):
-            raise ValueError("JACOBI init must be 'random' or 'history'")
+        if self.init not in INITS:
+            raise ValueError(f"JACOBI init must be one of {', '.join(INITS)}, got {self.init!r}")
         if self.ngram_size < 2:
             raise ValueError(f"JACOBI ngram_size must be >= 2 (a candidate drafts ngram_size - 1 tokens), got {self.ngram_size}")
         if self.pool_size < 1 or self.verify_size < 0:
@@ -88,7 +102,9 @@ class JacobiConfig:
 @dataclass
 class Block:
     tokens: list[int]  # RA: the draft after the pending token; PA: its n tokens
-    accepted: int = 0  # RA: positions committed; PA: frozen (pseudo-accepted) prefix length
+    # RA: positions committed before the pending token's (-1: the pending token precedes the
+    # block, which then drafts all n); PA: frozen (pseudo-accepted) prefix length
+    accepted: int = 0
 
 
 @dataclass
@@ -157,8 +173,15 @@ def update_blocks(
         updated.append(pseudo_verify(blk, main_predictions[start - 1 : start - 1 + n]))
     state.pseudo = updated
     ra.accepted += committed
-    if a < d:  # RA continues: draft = predictions after the new pending token (rel a+2 .. d)
+    if a < d - 1:  # RA continues: draft = predictions after the new pending token (rel a+2 .. d)
         ra.tokens = list(predictions[a + 1 : d])
+    elif a == d - 1:
+        # the new pending token fills RA's last slot, so RA has nothing left to draft: the next
+        # block becomes RA now, all n of its tokens drafting after the pending one (accepted -1:
+        # the pending token sits before its first position). Waiting for the promotion would
+        # spend a forward without a draft (one token) and drop the recycled candidates with it.
+        nxt = state.pseudo.pop(0).tokens if state.pseudo else list(fresh[:n])
+        state.ra = Block(list(nxt), -1)
     else:  # RA full: promote the next block (its first position holds the new pending token)
         if state.pseudo:
             nxt = state.pseudo.pop(0)
@@ -180,8 +203,9 @@ class JacobiMode(Mode):
         self.vocab_size = vocab_size
         c = config
         self.seeds_per_step = 1  # unused: greedy only
-        self.max_width = (1 + (c.block_size - 1) + (c.max_blocks - 1) * c.block_size + c.verify_size * (c.ngram_size - 1)
-                          + min(c.context_tokens, c.block_size - 1))
+        # the RA draft holds up to n tokens (an RA promoted while the pending token fills the last slot)
+        self.max_width = (1 + c.max_blocks * c.block_size + c.verify_size * (c.ngram_size - 1)
+                          + min(c.context_tokens, c.block_size))
 
     def _fresh(self, history: list[int], count: int) -> list[int]:
         """Initial tokens for a new block. Decoding is greedy, so they only affect speed; the
@@ -189,6 +213,8 @@ class JacobiMode(Mode):
         if self.config.init == "history":
             hist = history[-count:]
             return (hist * (count // max(1, len(hist)) + 1))[:count]
+        if self.config.init == "context":
+            return context_draft(history, count)
         seed = rng.hash_u32(torch.tensor(history[-1]), torch.tensor(len(history)))
         return (rng.hash_u32(seed, torch.arange(count)) % self.vocab_size).tolist()
 

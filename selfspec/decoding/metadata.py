@@ -15,7 +15,8 @@ plugin read, so that a mode needs no further flags. Format 1:
   "adapter": "risd-adapter",          // a base / model dir: its RISD adapter dir (PEFT format)
   "converted_from": "tiny-base",      // full conversions: what they were trained from (information)
   "lora": {"rank": 16, "alpha": 32, "targets": ["q_proj"], "base_sha256": "..."},
-  "jacobi": {"block_size": 16, "num_blocks": 2, "spawn_ratio": 0.85},  // Jacobi-Forcing models
+  "jacobi": {"block_size": 16, "max_blocks": 2, "spawn_ratio": 0.85,   // Jacobi-Forcing models: the
+             "verify_size": 4},                                      // recommended JACOBI options
   "image": {...},                     // image-token models: codebook, grid, class tokens (free form)
   "recipe": {...},                    // how it was trained (free form)
   "metrics": {...}                    // what was measured (free form)
@@ -56,9 +57,12 @@ class LoraMetadata:
 
 @dataclass
 class JacobiMetadata:
+    """The JACOBI options a Jacobi Forcing model recommends (named as `JacobiConfig`'s fields)."""
+
     block_size: int | None = None
-    num_blocks: int | None = None
+    max_blocks: int | None = None
     spawn_ratio: float | None = None
+    verify_size: int | None = None
 
 
 # Scalar fields in the order they are written; the nested ones follow.
@@ -89,6 +93,13 @@ class SelfspecMetadata:
     def __post_init__(self) -> None:
         if self.mode is not None:
             self.mode = str(self.mode).strip().lower()
+
+    def option(self, name: str):
+        """The value this file gives a mode option (`ModeSpec.metadata_fields`): a top-level key
+        (stride, mask_token_id) or a field of the nested `jacobi` settings; None if absent."""
+        if self.jacobi is not None and name in {f.name for f in dataclasses.fields(JacobiMetadata)}:
+            return getattr(self.jacobi, name)
+        return getattr(self, name, None)
 
     def resolve(self, value: str | None) -> str | None:
         """A relative path in the file, made absolute against its directory when it exists there."""

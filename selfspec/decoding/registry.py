@@ -82,7 +82,7 @@ _SPECS = (
              needs_mask_token=True, needs_adapter=True, checkpoint_kind="adapter", metadata_fields=_ISD_FIELDS),
     ModeSpec("jacobi", "greedy Jacobi decoding of n-token blocks with rejection-recycling candidates (lossless)",
              JacobiConfig, JacobiMode, lambda cfg, res: JacobiMode(cfg, res.vocab_size), sglang_algorithm="JACOBI",
-             needs_vocab_size=True),
+             needs_vocab_size=True, metadata_fields=("block_size", "max_blocks", "spawn_ratio", "verify_size")),
     ModeSpec("sjd", "speculative Jacobi decoding: W drafts verified with the p/q rule (keeps the sampling law)",
              SJDConfig, SJDMode, lambda cfg, res: SJDMode(cfg), sglang_algorithm="SJD"),
 )

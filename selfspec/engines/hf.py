@@ -132,7 +132,7 @@ class HFEngine:
             return mode
         spec = registry.get(mode)
         meta = self.metadata
-        defaults = {k: getattr(meta, k) for k in spec.metadata_fields} if meta is not None else {}
+        defaults = {k: meta.option(k) for k in spec.metadata_fields} if meta is not None else {}
         cfg = registry.parse_mode_config(spec.name, mode_config, defaults)
         mask_id = None
         if spec.needs_mask_token:

@@ -182,7 +182,7 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
             continue
         src = f"{m.path}/selfspec.json"
         for key in spec.metadata_fields:
-            put(key, getattr(m, key), src)
+            put(key, m.option(key), src)
     for k, v in yaml_cfg.items():
         put(k, v, f"--selfspec-config {flags['config']}")
     flag_opts = dict(flags.get("options") or {})

@@ -80,6 +80,7 @@ class Objective(abc.ABC):
 OBJECTIVES: dict[str, str] = {
     "idlm": "selfspec.training.idlm:IDLMObjective",
     "tiny-base": "selfspec.training.tiny_base:TinyBaseObjective",
+    "jacobi-forcing": "selfspec.training.jacobi_forcing:JFObjective",
 }
 DEFAULT_OBJECTIVE = "idlm"  # of checkpoints written before they recorded their objective
 

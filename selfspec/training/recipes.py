@@ -251,20 +251,29 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=f"train {name}")
         add_arguments(p)
         p.set_defaults(recipe=name)
-    p = sub.add_parser("measure", help="measure an exported model and record the numbers in its metadata")
-    p.add_argument("model", help="embedded name or export directory")
-    p.add_argument("--no-record", action="store_true")
-    p.add_argument("--num-prompts", type=int, default=64)
+    add_measure_parser(sub, "measure an exported model and record the numbers in its metadata")
     args = parser.parse_args(argv)
     if args.command == "measure":
-        from selfspec.models import resolve_model
-
-        m = measure(args.model, num_prompts=args.num_prompts)
-        print(format_measurement(m))
-        if not args.no_record:
-            record_measurement(resolve_model(args.model), m)
-        return 0
+        return run_measure(args, measure, format_measurement)
     return run(args)
+
+
+def add_measure_parser(sub, help: str) -> None:
+    """The `measure MODEL` subcommand of a recipe module."""
+    p = sub.add_parser("measure", help=help)
+    p.add_argument("model", help="embedded name or export directory")
+    p.add_argument("--no-record", action="store_true", help="print only; do not write the numbers into the model")
+    p.add_argument("--num-prompts", type=int, default=64)
+
+
+def run_measure(args: argparse.Namespace, measure_fn, format_fn) -> int:
+    from selfspec.models import resolve_model
+
+    m = measure_fn(args.model, num_prompts=args.num_prompts)
+    print(format_fn(m))
+    if not args.no_record:
+        record_measurement(resolve_model(args.model), m)
+    return 0
 
 
 if __name__ == "__main__":
