@@ -72,6 +72,14 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     return subprocess.call(argv, env=env)
 
 
+def _add_command(subparsers, name: str, help: str, module) -> None:
+    """A subcommand whose options and behaviour live in `module` (its docstring is the --help text)."""
+    p = subparsers.add_parser(name, help=help, description=module.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(p)
+    p.set_defaults(func=module.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from selfspec.decoding import registry
 
@@ -134,18 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from selfspec.training import jacobi_forcing, jf_recipe, trajectories
 
-    p = train.add_parser("jf", help="Jacobi Forcing: train a causal LM on its own Jacobi trajectories (for JACOBI)",
-                         description=jacobi_forcing.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    jacobi_forcing.add_arguments(p)
-    p.set_defaults(func=jacobi_forcing.run)
-    p = train.add_parser("jf-trajectories", help="record a model's greedy Jacobi trajectories (Jacobi Forcing data)",
-                         description=trajectories.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    trajectories.add_arguments(p)
-    p.set_defaults(func=trajectories.run)
-    p = train.add_parser(jf_recipe.NAME, help=f"rebuild the embedded {jf_recipe.NAME} from its committed recipe",
-                         description=jf_recipe.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    jf_recipe.add_arguments(p)
-    p.set_defaults(func=jf_recipe.run)
+    _add_command(train, "jf", "Jacobi Forcing: train a causal LM on its own Jacobi trajectories (for JACOBI)",
+                 jacobi_forcing)
+    _add_command(train, "jf-trajectories", "record a model's greedy Jacobi trajectories (Jacobi Forcing data)",
+                 trajectories)
+    _add_command(train, jf_recipe.NAME, f"rebuild the embedded {jf_recipe.NAME} from its committed recipe", jf_recipe)
 
     from selfspec.training import export
 
@@ -156,21 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
     from selfspec.benchmarks import offline, serve
 
-    p = bench.add_parser("offline", help="offline decoding benchmark on the HF engine (TPF, tok/s, ratio to AR)",
-                         description=offline.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    offline.add_arguments(p)
-    p.set_defaults(func=offline.run)
-    p = bench.add_parser("serve", help="served benchmark: each mode's SGLang server under load (tok/s, TPOT, TPF)",
-                         description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_arguments(p)
-    p.set_defaults(func=serve.run)
+    _add_command(bench, "offline", "offline decoding benchmark on the HF engine (TPF, tok/s, ratio to AR)", offline)
+    _add_command(bench, "serve", "served benchmark: each mode's SGLang server under load (tok/s, TPOT, TPF)", serve)
 
     from selfspec.tuning import command as tune
 
-    p = sub.add_parser("tune", help="measure this machine's cost model and write a per-batch-size width plan",
-                       description=tune.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    tune.add_arguments(p)
-    p.set_defaults(func=tune.run)
+    _add_command(sub, "tune", "measure this machine's cost model and write a per-batch-size width plan", tune)
     return parser
 
 

@@ -378,3 +378,23 @@ def test_jacobi_never_spends_a_forward_without_a_draft(tiny_base_path, heldout_p
         assert [o.token_ids for o in jac] == [o.token_ids for o in ar]
         assert min(widths) >= 2
         assert max(widths) <= mode.max_width
+
+
+def test_embedded_tiny_jf_carries_its_recipe_and_jacobi_settings():
+    from selfspec.decoding.metadata import load_metadata
+    from selfspec.engines.hf import HFEngine
+    from selfspec.models import resolve_model
+
+    path = resolve_model("tiny-jf")
+    meta = load_metadata(path)
+    assert meta.mode == "jacobi" and meta.converted_from == "tiny-base"
+    assert meta.recipe["command"] == "selfspec train tiny-jf" and meta.recipe["config"]["rounds"] == ["8:8:2048", "16:8:1024"]
+    measured = meta.metrics["measured"]["models"]["trained"]
+    rows = list(measured["plain"].values()) + [measured["multi_block_recycling"]]
+    assert all(r["equals_greedy_ar"] == 1.0 for r in rows)
+    prov = json.loads((path / "provenance.json").read_text())
+    assert [r["block_size"] for r in prov["rounds"]] == [8, 16] and prov["rounds"][0]["history"]
+    engine = HFEngine.from_pretrained(path)
+    cfg = engine.build_mode("jacobi").config  # the settings of selfspec.json, no options given
+    assert (cfg.block_size, cfg.max_blocks, cfg.verify_size) == (16, 2, 4)
+    assert engine.build_mode("jacobi", {"block_size": 8}).config.block_size == 8  # an option still wins
