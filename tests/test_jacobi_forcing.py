@@ -311,6 +311,22 @@ def test_rounds_collect_with_the_previous_rounds_model(micro_dir, data_file, tra
     assert meta["jacobi"]["block_size"] == 4 and meta["converted_from"] == str(Path(micro_dir).resolve())
 
 
+def test_anchor_model_is_the_given_frozen_model(micro_dir, trajectories, tmp_path):
+    from selfspec.training.jacobi_forcing import JFObjective, train_jf
+
+    first = _jf_config(micro_dir, trajectories, tmp_path / "r1", steps=3)
+    train_jf(first)  # a "round 1" that moved away from the micro model
+    cfg = _jf_config(micro_dir, trajectories, tmp_path / "r2", base=str(tmp_path / "r1"), anchor_model=str(micro_dir))
+    objective = JFObjective(cfg)
+    model = objective.build_model(torch.device("cpu"))
+    objective.setup_training(model, lambda _: None)
+    original = _micro(micro_dir).state_dict()
+    teacher = objective.teacher.state_dict()
+    assert all(torch.equal(teacher[k], original[k]) for k in original)
+    assert any(not torch.equal(model.state_dict()[k], original[k]) for k in original)
+    assert not any(p.requires_grad for p in objective.teacher.parameters())
+
+
 def test_bad_options_fail_before_any_model_loads(tmp_path):
     from selfspec.errors import UsageError
     from selfspec.training.jacobi_forcing import JFConfig

@@ -103,7 +103,9 @@ class JFConfig(LoopConfig):
     schedule: str = option("progressive", choices=list(SCHEDULES), help="how each block's target noise is chosen")
     context: str = option("nc", choices=list(CONTEXTS), help="what a noisy block sees of earlier blocks")
     ar_weight: float = option(1.0, help="weight of the AR cross-entropy on the clean chain")
-    anchor_weight: float = option(1.0, help="weight of KL(frozen starting model || clean rows); 0 = off")
+    anchor_weight: float = option(1.0, help="weight of KL(frozen anchor model || clean rows); 0 = off")
+    anchor_model: str | None = option(None, help="the anchor's frozen model (default: the round's starting model; "
+                                                 "give the original base to hold every round to it)")
     num_prompts: int = option(1024, help="trajectory collection: training prompts")
     heldout_prompts: int = option(64, help="trajectory collection: held-out prompts")
     prompt_tokens: int = option(64, help="trajectory collection: prompt length of corpus cuts")
@@ -234,7 +236,14 @@ class JFObjective(Objective):
             f"T={self.train_trajs[0].num_blocks}; schedule {self.cfg.schedule}, window {self.cfg.window}, "
             f"mask {self.cfg.context}; attention {self.attn_impl}")
         self.ppl_tokens = heldout_corpus_tokens(self.tokenizer, self.cfg.eval_tokens)
-        if self.cfg.anchor_weight > 0:
+        if self.cfg.anchor_weight > 0 and self.cfg.anchor_model:
+            from selfspec.training.idlm import load_base
+
+            _, teacher, _ = load_base(self.cfg.anchor_model, self.attn_impl)
+            if teacher.get_input_embeddings().weight.shape != model.get_input_embeddings().weight.shape:
+                raise UsageError(f"--anchor-model {self.cfg.anchor_model}: its vocabulary differs from --base's")
+            self.teacher = teacher.eval().requires_grad_(False).to(self.device)
+        elif self.cfg.anchor_weight > 0:
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False).to(self.device)
 
     def _rows(self, step: int, micro: int, rank: int) -> tuple[list[Trajectory], int]:
