@@ -52,12 +52,16 @@ from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext,
 INITS = ("history", "context", "random")
 
 
-def context_draft(history: list[int], count: int, salt: int = 0) -> list[int]:
-    """`count` tokens drawn with replacement from `history`, seeded by the history's last token,
-    its length and `salt` (so a run repeats): the initial draft of a Jacobi block."""
+def _draws(history: list[int], count: int, modulus: int, salt: int = 0) -> list[int]:
+    """`count` hashed draws in [0, modulus), seeded by the history's last token, its length and
+    `salt`, so that a run repeats."""
     seed = rng.hash_u32(torch.tensor(history[-1]), torch.tensor(len(history) + (salt << 20)))
-    picks = rng.hash_u32(seed, torch.arange(count)) % len(history)
-    return [history[i] for i in picks.tolist()]
+    return (rng.hash_u32(seed, torch.arange(count)) % modulus).tolist()
+
+
+def context_draft(history: list[int], count: int, salt: int = 0) -> list[int]:
+    """`count` tokens drawn with replacement from `history`: the initial draft of a Jacobi block."""
+    return [history[i] for i in _draws(history, count, len(history), salt)]
 
 
 @dataclass
@@ -215,8 +219,7 @@ class JacobiMode(Mode):
             return (hist * (count // max(1, len(hist)) + 1))[:count]
         if self.config.init == "context":
             return context_draft(history, count)
-        seed = rng.hash_u32(torch.tensor(history[-1]), torch.tensor(len(history)))
-        return (rng.hash_u32(seed, torch.arange(count)) % self.vocab_size).tolist()
+        return _draws(history, count, self.vocab_size)
 
     def start(self, seq: DecodeSequence) -> None:
         cfg = self.config

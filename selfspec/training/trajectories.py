@@ -207,10 +207,11 @@ def jacobi_trajectories(model, prompts: list[list[int]], responses: list[list[in
         forwards += 1
         new = jacobi_update(logits.view(bsz, T, n, -1).cpu(), cur)
         new[done] = cur[done]
+        stuck = (new == cur).all(-1) & ~done  # converged somewhere other than the response
+        rows = new.tolist()
         for b, j in (~done).nonzero().tolist():
-            if torch.equal(new[b, j], cur[b, j]):  # converged somewhere other than the response
-                ok[b] = False
-            states[b][j].append(new[b, j].tolist())
+            ok[b] = ok[b] and not bool(stuck[b, j])
+            states[b][j].append(rows[b][j])
         cur = new
         done = (cur == clean).all(-1)
     trajs = []
