@@ -148,6 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
                  trajectories)
     _add_command(train, jf_recipe.NAME, f"rebuild the embedded {jf_recipe.NAME} from its committed recipe", jf_recipe)
 
+    from selfspec.training import image_gpt, image_tokenizer
+
+    _add_command(train, "mnist-vq", "fit the image tokenizer (2x2 patch k-means, 256 codes) on the real digits",
+                 image_tokenizer)
+    _add_command(train, "image-gpt", "train a class-conditional image-token GPT on the real digits", image_gpt)
+    for name in image_gpt.RECIPES:
+        p = train.add_parser(name, help=f"rebuild the embedded {name} from its committed recipe",
+                             description=image_gpt.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        image_gpt.add_recipe_arguments(p)
+        p.set_defaults(func=image_gpt.run_recipe, recipe=name)
+
     from selfspec.training import export
 
     p = sub.add_parser("export", help="export a training checkpoint as an SGLang-ready model (weights + selfspec.json)")

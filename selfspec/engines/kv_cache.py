@@ -81,6 +81,12 @@ class SlotKVCache:
         self.lengths += torch.tensor([len(k) for k in keep], dtype=torch.long, device=self.device)
         self._write_slots = None
 
+    def commit_prefix(self, counts: torch.Tensor) -> None:
+        """Keep the first counts[b] step tokens of each row: they are already in place, so no KV
+        moves (the tensor-only commit of batched rollouts, where every kept chain is a prefix)."""
+        self.lengths += counts.to(self.lengths.dtype)
+        self._write_slots = None
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the given batch rows (finished sequences leave the batch)."""
         for layer in range(self.num_layers):

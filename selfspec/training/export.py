@@ -121,7 +121,8 @@ def export_adapter(peft_model, tokenizer, out_dir: str | Path, metadata: Selfspe
 
 def _write_side_files(out: Path, tokenizer, metadata: SelfspecMetadata | None, provenance: dict | None) -> None:
     """What every export carries beside its weights: tokenizer, selfspec.json, provenance."""
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:  # image-token models have none (their "tokenizer" is the codebook)
+        tokenizer.save_pretrained(out)
     if metadata is not None:
         metadata.write(out)
     if provenance is not None:

@@ -81,6 +81,7 @@ OBJECTIVES: dict[str, str] = {
     "idlm": "selfspec.training.idlm:IDLMObjective",
     "tiny-base": "selfspec.training.tiny_base:TinyBaseObjective",
     "jacobi-forcing": "selfspec.training.jacobi_forcing:JFObjective",
+    "image-gpt": "selfspec.training.image_gpt:ImageGPTObjective",
 }
 DEFAULT_OBJECTIVE = "idlm"  # of checkpoints written before they recorded their objective
 
