@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
         image_gpt.add_recipe_arguments(p)
         p.set_defaults(func=image_gpt.run_recipe, recipe=name)
 
+    from selfspec import images
+
+    _add_command(sub, "generate-image", "sample digits from an image-token model (cached AR or HB-SJD) as a PNG grid",
+                 images)
+
     from selfspec.training import export
 
     p = sub.add_parser("export", help="export a training checkpoint as an SGLang-ready model (weights + selfspec.json)")
@@ -170,10 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_command(bench, "offline", "offline decoding benchmark on the HF engine (TPF, tok/s, ratio to AR)", offline)
     _add_command(bench, "serve", "served benchmark: each mode's SGLang server under load (tok/s, TPOT, TPF)", serve)
+    from selfspec.benchmarks import rollout
+
+    _add_command(bench, "rollout", "image rollouts: cached AR, Batch-Synchronous SJD, HB-SJD Full / Compact / Hybrid",
+                 rollout)
 
     from selfspec.tuning import command as tune
 
     _add_command(sub, "tune", "measure this machine's cost model and write a per-batch-size width plan", tune)
+    from selfspec.tuning import gamma
+
+    _add_command(sub, "calibrate-gamma", "measure where Hybrid image rollouts switch from Full to Compact (γ)", gamma)
     return parser
 
 

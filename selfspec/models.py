@@ -15,6 +15,8 @@ EMBEDDED_MODELS: dict[str, str] = {
     "tiny-idlm": "I-DLM conversion of tiny-base (stride N=4, [MASK] proposals): serves ISD",
     "tiny-idlm-lora": "gated LoRA adapter over a frozen tiny-base (stride N=4): serves RISD, output equal to tiny-base",
     "tiny-jf": "Jacobi Forcing of tiny-base (trained on its own Jacobi trajectories, n = 8 then 16): serves JACOBI",
+    "tiny-c2i-teacher": "class-conditional image-token GPT (~4.9M parameters) on real MNIST digits: HB-SJD rollouts",
+    "tiny-c2i-student": "a 5-6x smaller class-conditional image-token GPT on the same digits (OPD student)",
 }
 
 

@@ -68,6 +68,7 @@ class RolloutResult:
     committed_foreground: int  # committed generated tokens that are not the background code
     committed_background: int
     image_rounds: int  # sum over rounds of the images that committed something
+    finish_seconds: torch.Tensor  # [B] when each image had all its codes, from the start of the rollout
     trace: list[dict] = field(default_factory=list)  # per round: active images, width, committed
 
     @property
@@ -77,6 +78,8 @@ class RolloutResult:
     def summary(self) -> dict:
         n = max(1, self.image_rounds)
         return {"rounds": self.rounds, "seconds": round(self.seconds, 4),
+                "mean_latency_s": round(float(self.finish_seconds.mean()), 4),
+                "p95_latency_s": round(float(self.finish_seconds.quantile(0.95)), 4),
                 "mean_rounds_per_image": round(float(self.rounds_per_image.float().mean()), 2),
                 "tokens_per_round": round(self.tokens_per_round, 3),
                 "foreground_per_round": round(self.committed_foreground / n, 3),
@@ -135,6 +138,7 @@ class ImageRolloutEngine:
         out = seq[:, :total].clone()
         index = torch.arange(bsz, device=dev)  # batch row -> image
         rounds_per_image = torch.zeros(bsz, dtype=torch.long, device=dev)
+        finish = torch.zeros(bsz, dtype=torch.float64)
         drafts = torch.zeros(bsz, w, dtype=torch.long, device=dev)
         reused = torch.zeros(bsz, dtype=torch.long, device=dev)
         q = torch.zeros(bsz, w, lay.vocab_size, device=dev) if not cfg.greedy else None
@@ -191,6 +195,8 @@ class ImageRolloutEngine:
             image_rounds += int(moved.sum())
             rounds_per_image[index] += active.long()
             length = length + keep
+            finished = active & (length >= total)
+            finish[index[finished].cpu()] = time.perf_counter() - started
             new_drafts, reused = hbsjd.reuse_predictions(preds, keep, w)
             drafts = new_drafts  # an image that kept nothing reuses rows 0.. (its window did not move)
             if probs is not None:
@@ -203,7 +209,7 @@ class ImageRolloutEngine:
                           "committed": int(keep.sum())})
         out[index] = seq[:, :total]
         return RolloutResult(out[:, 1:], rounds, time.perf_counter() - started, rounds_per_image, fg, bg,
-                             image_rounds, trace)
+                             image_rounds, finish, trace)
 
     def _prefill(self, cache: SlotKVCache, tokens: torch.Tensor) -> None:
         batch = causal_batch(tokens.shape[0], tokens.shape[1], self.device)
