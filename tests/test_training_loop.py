@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from selfspec.training.objective import OBJECTIVES
+
 TRAINING = Path(__file__).resolve().parents[1] / "selfspec" / "training"
 
 # The `selfspec train idlm` flags of the README and of the recipes before the loop was shared.
@@ -93,7 +95,7 @@ def test_recipe_and_tiny_base_options_come_from_their_configs():
     assert (cfg.time_budget_minutes, cfg.seed, cfg.lr) == (45.0, 0, 3e-3)
 
 
-@pytest.mark.parametrize("name", ["idlm", "tiny-base", "jacobi-forcing"])
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_objectives_implement_the_protocol(name):
     from selfspec.training.config import LoopConfig
     from selfspec.training.objective import Objective, objective_class
