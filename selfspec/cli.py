@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(train, "mnist-vq", "fit the image tokenizer (2x2 patch k-means, 256 codes) on the real digits",
                  image_tokenizer)
     _add_command(train, "image-gpt", "train a class-conditional image-token GPT on the real digits", image_gpt)
+    from selfspec.training import image_eval
+
+    p = train.add_parser("digits-classifier", help="train the digits CNN whose features give FID / IS / precision / recall",
+                         description=image_eval.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    image_eval.add_classifier_arguments(p)
+    p.set_defaults(func=image_eval.run_classifier)
     for name in image_gpt.RECIPES:
         p = train.add_parser(name, help=f"rebuild the embedded {name} from its committed recipe",
                              description=image_gpt.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_command(sub, "generate-image", "sample digits from an image-token model (cached AR or HB-SJD) as a PNG grid",
                  images)
+
+    _add_command(sub, "eval-images", "image quality of an image-token model: FID, IS, precision / recall, class accuracy",
+                 image_eval)
 
     from selfspec.training import export
 

@@ -83,3 +83,81 @@ def test_gamma_rule():
     # flat down to 4 images, then cheaper: compact from 3 on
     knee = {b: {"forward_s": 0.01 if b > 3 else 0.004, "compact_s": 0.002} for b in range(1, 9)}
     assert choose_gamma(knee, 8) == 3
+
+
+# ------------------------------------------------------------------------------ the committed models
+@pytest.fixture(scope="module")
+def student():
+    from selfspec.images import load_image_model
+
+    return load_image_model("tiny-c2i-student")
+
+
+def test_committed_models_and_provenance():
+    from selfspec.models import ModelInfo, resolve_model
+
+    sizes = {}
+    for name in ("tiny-c2i-teacher", "tiny-c2i-student"):
+        path = resolve_model(name)
+        prov = ModelInfo(name, path, "").provenance()
+        assert prov["data"]["sha256"] == digit_split().sha256 and prov["command"].startswith("selfspec train " + name)
+        assert prov["train_seconds"] <= 30 * 60
+        assert prov["heldout_loss"] < prov["history"][0]["heldout"]["heldout_loss"]  # still learning after the first eval
+        sizes[name] = prov["parameters"]
+        assert (path / "model.safetensors").stat().st_size < 12e6
+    assert 4e6 < sizes["tiny-c2i-teacher"] < 6e6
+    assert sizes["tiny-c2i-teacher"] / sizes["tiny-c2i-student"] >= 4
+
+
+@pytest.mark.parametrize("schedule", ["independent", "lockstep", "window"])
+def test_committed_student_greedy_hbsjd_equals_cached_ar(student, schedule):
+    from selfspec.engines.rollout import RolloutConfig
+    from selfspec.images import prefix_codes
+
+    engine = student.engine()
+    labels = torch.arange(6) % 10
+    prefix = prefix_codes(student, labels, 0.5)
+    ar = engine.rollout(labels, prefix, RolloutConfig(window=0))
+    for execution in ("full", "compact", "hybrid"):
+        out = engine.rollout(labels, prefix, RolloutConfig(window=8, schedule=schedule, execution=execution, gamma=3))
+        assert torch.equal(out.codes, ar.codes), execution
+        assert out.rounds < ar.rounds
+
+
+def test_hf_engine_runs_the_image_model(student):
+    """A stock transformers checkpoint: the text engine's AR (no guidance) gives the rollout
+    engine's guidance-free AR codes."""
+    from selfspec.engines.hf import HFEngine
+    from selfspec.engines.rollout import RolloutConfig
+    from selfspec.images import prefix_codes
+
+    labels = torch.tensor([1, 7])
+    prefix = prefix_codes(student, labels, 0.75)
+    ar = student.engine().rollout(labels, prefix, RolloutConfig(window=0, cfg_scale=1.0))
+    hf = HFEngine(student.model)
+    prompts = [[int(student.layout.class_ids(c))] + p.tolist() for c, p in zip(labels, prefix)]
+    outs = hf.generate(prompts, max_new_tokens=196 - prefix.shape[1], stop_token_ids=[])
+    assert [o.token_ids for o in outs] == ar.codes[:, prefix.shape[1]:].tolist()
+
+
+# ------------------------------------------------------------------------------ quality metrics
+def test_committed_classifier_and_metrics():
+    from selfspec.training.image_eval import DigitClassifier, frechet_distance, image_metrics, inception_score
+
+    clf = DigitClassifier.load()
+    split = digit_split()
+    with torch.no_grad():
+        acc = (clf(split.heldout_images).argmax(-1) == split.heldout_labels).float().mean().item()
+    assert acc >= 0.98
+    same = image_metrics(split.heldout_images, split.heldout_labels, split.heldout_images, clf)
+    assert abs(same.fid) < 1e-3 and same.precision == same.recall == 1.0 and same.conditional_accuracy == acc
+    real = image_metrics(split.heldout_images, split.heldout_labels, split.train_images, clf)
+    assert real.fid < 5.0 and real.precision > 0.9 and 7.0 < real.inception_score <= 10.0
+    # all-one-class samples: IS near 1, poor recall, a large FID
+    ones = split.heldout_images[split.heldout_labels == 1]
+    collapsed = image_metrics(ones, torch.ones(len(ones), dtype=torch.long), split.train_images, clf)
+    assert collapsed.inception_score < 1.5 and collapsed.recall < real.recall - 0.3 and collapsed.fid > 10 * real.fid
+    uniform = torch.full((100, 10), 0.1)
+    assert abs(inception_score(uniform) - 1.0) < 1e-5
+    a = torch.randn(2000, 8).double().numpy()
+    assert abs(frechet_distance(a, a + 1.0) - 8.0) < 0.05  # mean shift of 1 in 8 dims, same covariance
