@@ -57,7 +57,7 @@ def test_image_gpt_trains_exports_and_generates(tmp_path, capsys):
                   intermediate_size=64, progress_bar=False)
     result = train_image_gpt(cfg)
     out = Path(result["export"])
-    assert {"config.json", "model.safetensors", "codebook.npy", "image_layout.json", "provenance.json"} <= \
+    assert {"config.json", "model.safetensors", "codebook.npy", "selfspec.json", "provenance.json"} <= \
         {p.name for p in out.iterdir()}
     im = load_image_model(out)
     assert im.layout == ImageTokenLayout() and im.model.config.vocab_size == 272

@@ -6,8 +6,8 @@ plugin read, so that a mode needs no further flags. Format 1:
 ```json
 {
   "format_version": 1,
-  "mode": "isd",                      // a registry mode name (lower case): isd | risd | jacobi | sjd,
-                                      // or "image" for class-conditional image-token models
+  "mode": "isd",                      // a registry mode name (lower case): isd | risd | jacobi | sjd
+                                      // (image-token models: sjd, their guidance-free text-side mode)
   "stride": 4,                        // isd / risd: the stride N it was trained for
   "mask_token": "[MASK]",             // isd / risd: the token appended at proposal positions
   "mask_token_id": 5,
@@ -17,7 +17,8 @@ plugin read, so that a mode needs no further flags. Format 1:
   "lora": {"rank": 16, "alpha": 32, "targets": ["q_proj"], "base_sha256": "..."},
   "jacobi": {"block_size": 16, "max_blocks": 2, "spawn_ratio": 0.85,   // Jacobi-Forcing models: the
              "verify_size": 4},                                      // recommended JACOBI options
-  "image": {...},                     // image-token models: codebook, grid, class tokens (free form)
+  "image": {...},                     // image-token models: id layout (codes, classes, null id), grid,
+                                      // codebook file (free form; `training.image_gpt.ImageTokenLayout`)
   "recipe": {...},                    // how it was trained (free form)
   "metrics": {...}                    // what was measured (free form)
 }

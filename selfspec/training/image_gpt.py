@@ -12,7 +12,8 @@ the unconditional logits that guidance needs). Sampling restricts the logits to 
 
 Each recipe trains on the 4,500 train digits, every one at the 25 shifts of +-2 px (pre-tokenised:
 112,500 sequences), under a wall-clock budget, and exports to selfspec/assets/<name>/ with the
-codebook, `image_layout.json` and provenance.json (held-out loss, data hash, command).
+codebook, `selfspec.json` (mode "sjd", and the `image` block: id layout, grid, codebook file) and
+provenance.json (held-out loss, data hash, command).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
+from selfspec.decoding.metadata import SelfspecMetadata, load_metadata
 from selfspec.errors import UsageError
 from selfspec.models import ASSETS_DIR
 from selfspec.training import config as C
@@ -38,7 +40,7 @@ from selfspec.training.loop import train
 from selfspec.training.objective import Objective
 
 RUNS_DIR = Path(__file__).resolve().parents[2] / "runs"
-LAYOUT_FILE = "image_layout.json"
+CODEBOOK_FILE = "codebook.npy"
 
 
 @dataclass(frozen=True)
@@ -60,15 +62,17 @@ class ImageTokenLayout:
     def class_ids(self, labels: torch.Tensor) -> torch.Tensor:
         return labels.long() + self.class_offset
 
-    def save(self, out: Path) -> None:
-        (out / LAYOUT_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+    def metadata_block(self) -> dict:
+        """The `image` block of the model's selfspec.json."""
+        return {**asdict(self), "class_offset": self.class_offset, "null_id": self.null_id, "codebook": CODEBOOK_FILE}
 
     @classmethod
     def load(cls, model_dir: Path) -> ImageTokenLayout:
-        file = Path(model_dir) / LAYOUT_FILE
-        if not file.exists():
-            raise ValueError(f"{model_dir} is not an image-token model (no {LAYOUT_FILE})")
-        return cls(**json.loads(file.read_text()))
+        meta = load_metadata(model_dir)
+        if meta is None or not meta.image:
+            raise ValueError(f"{model_dir} is not an image-token model (its selfspec.json has no \"image\" block)")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in meta.image.items() if k in names})
 
 
 @dataclass(kw_only=True)
@@ -193,6 +197,15 @@ class ImageGPTObjective(Objective):
     def postfix(self, stage: dict, stats: dict[str, float]) -> dict:
         return {"loss": f"{stats['loss']:.3f}"}
 
+    def metadata(self, state: dict) -> SelfspecMetadata:
+        """mode "sjd": the text-side mode that runs these models unchanged (guidance-free);
+        `image` is what the rollout engine needs: the id layout and the codebook file."""
+        history = state["history"]
+        final = history[-1]["heldout"] if history else {}
+        return SelfspecMetadata(mode="sjd", image=self.layout.metadata_block(),
+                                recipe={"command": C.command_line(), "objective": self.name},
+                                metrics={k: round(v, 4) for k, v in final.items()})
+
     def provenance(self, model: torch.nn.Module, state: dict, out: Path, train_seconds: float | None) -> dict:
         cfg = self.cfg
         history = state["history"]
@@ -210,10 +223,10 @@ class ImageGPTObjective(Objective):
         }
 
 
-def export_image_side_files(out: Path, layout: ImageTokenLayout) -> None:
-    """An image model directory is self-contained: its id layout and the codebook that decodes it."""
-    layout.save(out)
-    shutil.copy(CODEBOOK_DIR / "codebook.npy", out / "codebook.npy")
+def export_image_side_files(out: Path) -> None:
+    """An image model directory is self-contained: beside its selfspec.json (the id layout), the
+    codebook that decodes it."""
+    shutil.copy(CODEBOOK_DIR / CODEBOOK_FILE, out / CODEBOOK_FILE)
     shutil.copy(CODEBOOK_DIR / "provenance.json", out / "codebook_provenance.json")
 
 
@@ -221,7 +234,7 @@ def train_image_gpt(cfg: ImageGPTConfig) -> dict:
     objective = ImageGPTObjective(cfg)
     result = train(objective)
     if cfg.export and "export" in result:
-        export_image_side_files(Path(result["export"]), objective.layout)
+        export_image_side_files(Path(result["export"]))
     return result
 
 
