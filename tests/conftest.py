@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# The SGLang tests' session fixtures are registered here, once: imported into each test module,
+# each module would hold its own copy (pytest keys a fixture by the module defining it) and the
+# AR reference server would be started and queried again for every module.
+from sglang_fixtures import ar_reference, heldout_ids, tokenizer  # noqa: F401,E402  (fixtures)
+
 REPO = Path(__file__).resolve().parents[1]
 HELDOUT_PROMPTS = REPO / "bench" / "prompts" / "heldout.jsonl"
 

@@ -532,7 +532,13 @@ def test_statistics_against_analytical_distribution(temperature, top_k, top_p, t
     q = q_row.view(1, 1, vocab).expand(n, 1, vocab).contiguous().to(DEVICE)
     seeds = make_seeds(gen, n, 2)
     nd = torch.ones(n, dtype=torch.long, device=DEVICE)
-    ref, got, _ = compare_speculative(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, q)
+    # The kernel must equal the reference row for row; the statistics are then the reference's.
+    # Under the Triton interpreter (one interpreted program per row) the kernel is compared on a
+    # slice of the rows, on a GPU on all of them.
+    rows = n if DEVICE == "cuda" else 200
+    compare_speculative(logits[:rows], drafts[:rows], nd[:rows], seeds[:rows], temperature, top_k, top_p, tau,
+                        q[:rows])
+    got = speculative_verify_reference(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, q)
 
     p = logits_to_probs(row_logits, temperature, top_k, top_p).double()
     qd = q_row.double()

@@ -18,14 +18,11 @@ import openai
 import pytest
 from sglang_fixtures import (
     MAX_NEW,
-    ar_reference,  # noqa: F401  (fixture)
     burst,
     check_lossless,
     check_sampling_matches_ar,
-    heldout_ids,  # noqa: F401  (fixture)
     mode_server_fixture,
     native_generate,
-    tokenizer,  # noqa: F401  (fixture)
     tokens_in_use,
     wait_tokens_zero,
 )

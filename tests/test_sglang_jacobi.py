@@ -5,9 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 from sglang_fixtures import (
-    ar_reference,  # noqa: F401  (fixture)
     check_lossless,
-    heldout_ids,  # noqa: F401  (fixture)
     mode_server_fixture,
     native_generate,
     wait_tokens_zero,

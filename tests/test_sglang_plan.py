@@ -11,10 +11,8 @@ import re
 import pytest
 import yaml
 from sglang_fixtures import (
-    ar_reference,  # noqa: F401  (fixture)
     check_lossless,
     check_sampling_matches_ar,
-    heldout_ids,  # noqa: F401  (fixture)
     server_args,
     start_server,
     wait_tokens_zero,

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import pytest
 from sglang_fixtures import (
-    ar_reference,  # noqa: F401  (fixture)
     check_lossless,
     check_sampling_matches_ar,
-    heldout_ids,  # noqa: F401  (fixture)
     native_generate,
     server_args,
     start_server,

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import pytest
 from sglang_fixtures import (
-    ar_reference,  # noqa: F401  (fixture)
     burst,
     check_lossless,
     check_sampling_matches_ar,
-    heldout_ids,  # noqa: F401  (fixture)
     mode_server_fixture,
     native_generate,
-    tokenizer,  # noqa: F401  (fixture)
     wait_tokens_zero,
 )
 

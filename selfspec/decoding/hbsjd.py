@@ -56,14 +56,19 @@ def history_fill(seq: torch.Tensor, length: torch.Tensor, drafts: torch.Tensor, 
     """Drafts [B, W]: the first reused[b] kept, every later one the token `offset` positions
     before it (a known token, or an earlier draft when offset <= its index; the first token of
     the sequence before the start), as `sjd.history_drafts` extends a list."""
-    out = drafts.clone()
     width = drafts.shape[1]
-    for j in range(width):
-        src = length + j - offset  # absolute position the draft at length + j copies
+    cols = torch.arange(width, device=drafts.device)
+    # drafts before index `offset` copy known tokens only: one gather for all of them
+    head = min(width, offset)
+    src = (length.unsqueeze(1) + cols[:head] - offset).clamp(min=0)
+    out = torch.where(cols[:head] < reused.unsqueeze(1), drafts[:, :head], seq.gather(1, src))
+    if head == width:
+        return out
+    out = torch.cat([out, drafts[:, head:]], 1)
+    for j in range(head, width):  # a later draft may copy an earlier one (offset <= its index)
+        src = length + j - offset
         from_seq = seq.gather(1, src.clamp(min=0).unsqueeze(1)).squeeze(1)
-        value = from_seq
-        if j >= offset:  # src >= length is possible only then: it is draft j - offset
-            value = torch.where(src >= length, out[:, j - offset], from_seq)
+        value = torch.where(src >= length, out[:, j - offset], from_seq)
         out[:, j] = torch.where(j < reused, out[:, j], value)
     return out
 
