@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(train, "mnist-vq", "fit the image tokenizer (2x2 patch k-means, 256 codes) on the real digits",
                  image_tokenizer)
     _add_command(train, "image-gpt", "train a class-conditional image-token GPT on the real digits", image_gpt)
+    from selfspec.training import opd
+
+    _add_command(train, "opd", "visual on-policy distillation (GKD / VarKD-style) with an AR or HB-SJD rollout backend",
+                 opd)
     from selfspec.training import image_eval
 
     p = train.add_parser("digits-classifier", help="train the digits CNN whose features give FID / IS / precision / recall",

@@ -190,7 +190,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the metrics here")
 
 
-def sample_images(im, num: int, cfg_scale: float, temperature: float, batch: int, window: int, seed: int):
+def sample_images(im, num: int, cfg_scale: float, temperature: float, batch: int, window: int, seed: int,
+                  progress: bool = True):
+    """`num` images sampled from the class tokens alone (classes in turn), with probabilistic
+    HB-SJD verification (AR's distribution; window 0 is AR sampling itself)."""
     from tqdm import tqdm
 
     from selfspec.engines.rollout import RolloutConfig
@@ -200,7 +203,7 @@ def sample_images(im, num: int, cfg_scale: float, temperature: float, batch: int
                         temperature=temperature)
     labels = torch.arange(num) % 10
     codes = []
-    for s in tqdm(range(0, num, batch), desc="sampling", unit="batch"):
+    for s in tqdm(range(0, num, batch), desc="sampling", unit="batch", disable=not progress):
         lab = labels[s : s + batch]
         codes.append(engine.rollout(lab, torch.zeros(len(lab), 0, dtype=torch.long), cfg, seed=seed + s).codes)
     return im.vq.decode(torch.cat(codes)), labels

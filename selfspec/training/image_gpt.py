@@ -198,13 +198,7 @@ class ImageGPTObjective(Objective):
         return {"loss": f"{stats['loss']:.3f}"}
 
     def metadata(self, state: dict) -> SelfspecMetadata:
-        """mode "sjd": the text-side mode that runs these models unchanged (guidance-free);
-        `image` is what the rollout engine needs: the id layout and the codebook file."""
-        history = state["history"]
-        final = history[-1]["heldout"] if history else {}
-        return SelfspecMetadata(mode="sjd", image=self.layout.metadata_block(),
-                                recipe={"command": C.command_line(), "objective": self.name},
-                                metrics={k: round(v, 4) for k, v in final.items()})
+        return image_metadata(self.layout, self.name, state)
 
     def provenance(self, model: torch.nn.Module, state: dict, out: Path, train_seconds: float | None) -> dict:
         cfg = self.cfg
@@ -221,6 +215,17 @@ class ImageGPTObjective(Objective):
             "total_seconds": round(train_seconds, 1) if train_seconds else None, "torch": torch.__version__,
             "saved_dtype": "bfloat16",
         }
+
+
+def image_metadata(layout: ImageTokenLayout, objective: str, state: dict) -> SelfspecMetadata:
+    """An image-token model's selfspec.json. Mode "sjd": the text-side mode that runs these
+    models unchanged (guidance-free); `image` is what the rollout engine needs: the id layout and
+    the codebook file."""
+    history = state["history"]
+    final = history[-1]["heldout"] if history else {}
+    return SelfspecMetadata(mode="sjd", image=layout.metadata_block(),
+                            recipe={"command": C.command_line(), "objective": objective},
+                            metrics={k: round(v, 4) if isinstance(v, float) else v for k, v in final.items()})
 
 
 def export_image_side_files(out: Path) -> None:

@@ -33,6 +33,7 @@ Optional extra terms, off by default (weight 0 is the seed's loss exactly):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -145,3 +146,57 @@ def idlm_loss(logits: torch.Tensor, labels: torch.Tensor, balance: str, ce_scale
         total = total + anchor_weight * anchor
         anchor = anchor.detach()
     return IDLMLoss(total, mask_ce.detach(), clean_ce.detach(), scale, n_mask, n_clean, distill, anchor)
+
+
+# ------------------------------------------------------------------------------ distillation
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """GKD's generalised Jensen-Shannon divergence (Agarwal et al. 2023), token-level mean over
+    `mask`: with m = beta * p_T + (1 - beta) * p_S,
+        JSD_beta = beta * KL(p_T || m) + (1 - beta) * KL(p_S || m),
+    except at the limits, where it is the plain KL: beta = 0 -> KL(p_T || p_S) (forward),
+    beta = 1 -> KL(p_S || p_T) (reverse). (At beta = 0 and 1 the mixture form vanishes; GKD, and
+    TRL's trainer, read the endpoints as these two KLs.) Logits [..., V]; mask [...] bool."""
+    # Code-restricted logits are -inf outside the codes: clamped log-probabilities keep those
+    # entries at exactly zero probability while every product (and its gradient) stays finite.
+    log_s = torch.log_softmax(student_logits.float(), -1).clamp_min(-1e4)
+    log_t = torch.log_softmax(teacher_logits.float(), -1).clamp_min(-1e4)
+
+    def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:  # KL(p || q) per position
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+    if beta <= 0.0:
+        per = kl(log_t, log_s)
+    elif beta >= 1.0:
+        per = kl(log_s, log_t)
+    else:
+        log_m = torch.logsumexp(torch.stack([log_t + math.log(beta), log_s + math.log(1 - beta)]), 0)
+        per = beta * kl(log_t, log_m) + (1 - beta) * kl(log_s, log_m)
+    if mask is None:
+        return per.mean()
+    return (per * mask).sum() / mask.sum().clamp(min=1)
+
+
+def varkd_lite(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tokens: torch.Tensor,
+               mask: torch.Tensor, confidence: float = 0.3, top_k: int = 16) -> tuple[torch.Tensor, float]:
+    """A VarKD-style objective, as far as its public description goes ("Knowledge Distillation
+    for Visual Autoregressive Models", 2026: no code or equations are public). On the student's
+    own samples (`tokens`, the positions predicted at `mask`), teacher supervision is applied
+    selectively and token ambiguity is reduced:
+      1. selective: a position counts only where the teacher is confident about the student's
+         token's context - its top-1 probability >= `confidence`, or the student's sampled token
+         is in the teacher's top-k;
+      2. reduced ambiguity: the teacher's distribution is truncated to its top-k codes and
+         renormalised, so the student is not pulled toward the teacher's long tail;
+      3. the loss is the forward KL(truncated p_T || p_S) at the selected positions.
+    `tokens[..., i]` is the token that followed position i (the shifted labels). Returns the
+    loss and the share of masked positions that were selected."""
+    t_probs = torch.softmax(teacher_logits.float(), -1)
+    top_vals, top_idx = t_probs.topk(top_k, dim=-1)
+    in_top = (top_idx == tokens.unsqueeze(-1)).any(-1)
+    selected = mask & ((top_vals[..., 0] >= confidence) | in_top)
+    target = top_vals / top_vals.sum(-1, keepdim=True)  # over the teacher's top-k codes only
+    log_s = torch.log_softmax(student_logits.float(), -1).gather(-1, top_idx)
+    per = (target * (target.clamp_min(1e-12).log() - log_s)).sum(-1)
+    loss = (per * selected).sum() / selected.sum().clamp(min=1)
+    return loss, float(selected.sum()) / max(1, int(mask.sum()))

@@ -82,6 +82,7 @@ OBJECTIVES: dict[str, str] = {
     "tiny-base": "selfspec.training.tiny_base:TinyBaseObjective",
     "jacobi-forcing": "selfspec.training.jacobi_forcing:JFObjective",
     "image-gpt": "selfspec.training.image_gpt:ImageGPTObjective",
+    "opd": "selfspec.training.opd:OPDObjective",
 }
 DEFAULT_OBJECTIVE = "idlm"  # of checkpoints written before they recorded their objective
 

@@ -1,0 +1,263 @@
+"""Visual on-policy distillation (OPD) with a swappable rollout backend (seed 001).
+
+    selfspec train opd --teacher tiny-c2i-teacher --student tiny-c2i-student \\
+        --rollout ar|hbsjd [--verify greedy|prob] [--objective gkd|varkd] --out DIR
+
+Each step takes real train digits' classes and their first `--prefix-ratio` of codes; with
+probability `--on-policy` (λ) the student completes them itself - frozen, in eval mode, under
+classifier-free guidance - with the chosen backend (`--rollout ar`: cached AR; `hbsjd`:
+Independent HB-SJD with Hybrid execution; greedy or probabilistic verification), otherwise the
+real completion is used. The loss compares the student's and the teacher's next-code
+distributions (conditional logits, codes only) on the suffix:
+- `gkd`: the generalised Jensen-Shannon divergence with `--beta` (0 forward KL, 1 reverse KL;
+  GKD, Agarwal et al. 2023), token-level;
+- `varkd`: a VarKD-style objective (`losses.varkd_lite`: selective teacher supervision on
+  student samples, teacher targets truncated to their top-k) - our reading of a paper without
+  public code, named for what it is; knobs `--varkd-confidence`, `--varkd-top-k`.
+The backend changes nothing but the rollouts' speed: greedy HB-SJD gives cached AR's tokens.
+Rollout time is measured per step and recorded (provenance `rollout_seconds`); evaluation
+samples `--eval-images` images (T = 1, CFG) and reports FID / IS / precision / recall / class
+accuracy against the real digits (`training.image_eval`). Checkpoints, resume, tqdm and export
+are the training loop's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from selfspec.errors import UsageError
+from selfspec.training import config as C
+from selfspec.training.config import LoopConfig, option
+from selfspec.training.data import batch_generator
+from selfspec.training.losses import generalized_jsd, varkd_lite
+from selfspec.training.loop import train
+from selfspec.training.objective import Objective
+
+
+@dataclass(kw_only=True)
+class OPDConfig(LoopConfig):
+    """on-policy distillation"""
+
+    out: str = option(help="export directory of the distilled student")
+    teacher: str = option("tiny-c2i-teacher", help="teacher image-token model (frozen)")
+    student: str = option("tiny-c2i-student", help="student image-token model (trained)")
+    rollout: str = option("hbsjd", choices=["ar", "hbsjd"], help="student rollout backend")
+    verify: str = option("greedy", choices=["greedy", "prob"],
+                         help="rollout decoding: greedy, or sampling (AR sampling / SJD p/q verification)")
+    objective: str = option("gkd", choices=["gkd", "varkd"], help="distillation loss")
+    beta: float = option(0.5, help="GKD's beta: 0 forward KL, 1 reverse KL, between: generalised JSD")
+    on_policy: float = option(1.0, help="lambda: share of steps on the student's own rollouts")
+    prefix_ratio: float = option(0.5, help="share of each real digit's codes given before the rollout")
+    cfg_scale: float = option(2.0, help="guidance scale of the rollouts")
+    temperature: float = option(1.0, help="rollout temperature with --verify prob")
+    window: int = option(8, help="HB-SJD window W")
+    history_offset: int = option(14, help="HB-SJD history offset H (14: one row up)")
+    gamma: int | None = option(None, help="Hybrid execution's γ (default: measured at start, `calibrate-gamma` rule)")
+    varkd_confidence: float = option(0.3, help="varkd: teacher top-1 probability that selects a position")
+    varkd_top_k: int = option(16, help="varkd: teacher codes kept (and renormalised) in the target")
+    eval_images: int = option(200, help="images sampled per evaluation (FID / IS / P / R / class accuracy)")
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    batch_size: int = 16
+    steps: int = 200
+    eval_every: int = 50
+    threads: int | None = 2
+    mixed_precision: str = "no"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta <= 1.0:
+            raise UsageError(f"--beta must be in [0, 1], got {self.beta}")
+        if not 0.0 <= self.on_policy <= 1.0:
+            raise UsageError(f"--on-policy must be in [0, 1], got {self.on_policy}")
+        if not 0.0 <= self.prefix_ratio < 1.0:
+            raise UsageError(f"--prefix-ratio must be in [0, 1), got {self.prefix_ratio}")
+        if self.verify == "prob" and self.temperature <= 0:
+            raise UsageError("--verify prob samples: --temperature must be > 0")
+        if self.window < 1 or self.history_offset < 1:
+            raise UsageError("--window and --history-offset must be >= 1")
+
+
+def _restricted(logits: torch.Tensor, num_codes: int) -> torch.Tensor:
+    from selfspec.decoding.cfg import restrict_to_codes
+
+    return restrict_to_codes(logits.float(), num_codes)
+
+
+class OPDObjective(Objective):
+    name = "opd"
+    config_class = OPDConfig
+    cfg: OPDConfig
+
+    def build_model(self, device: torch.device) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        from selfspec.models import resolve_model
+        from selfspec.training.image_gpt import ImageTokenLayout
+
+        self.device = device
+        path = resolve_model(self.cfg.student)
+        self.layout = ImageTokenLayout.load(path)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+
+    def setup_training(self, model: torch.nn.Module, log) -> None:
+        from selfspec.images import load_image_model
+        from selfspec.training.image_data import digit_split
+
+        cfg = self.cfg
+        self.teacher = load_image_model(cfg.teacher, device=str(self.device))
+        if self.teacher.layout != self.layout:
+            raise UsageError(f"teacher {cfg.teacher} and student {cfg.student} use different token layouts")
+        for p in self.teacher.model.parameters():
+            p.requires_grad_(False)
+        self.vq = self.teacher.vq
+        split = digit_split()
+        self.codes = self.vq.encode(split.train_images)
+        self.labels = split.train_labels
+        self.real_images = torch.cat([split.train_images, split.heldout_images])
+        self.heldout_codes, self.heldout_labels = self.vq.encode(split.heldout_images), split.heldout_labels
+        self.rollout_config = self._rollout_config(model, log)
+        self.rollout_seconds = None
+        self.data_description = {**split.describe(), "teacher": cfg.teacher, "student": cfg.student}
+
+    def _rollout_config(self, model, log):
+        from selfspec.engines.rollout import RolloutConfig
+        from selfspec.tuning.gamma import choose_gamma, measure_costs
+
+        cfg = self.cfg
+        if cfg.rollout == "ar":
+            window, execution, gamma = 0, "compact", None
+        else:
+            window, execution, gamma = cfg.window, "hybrid", cfg.gamma
+            if gamma is None:
+                b = cfg.batch_size
+                sizes = sorted({1, *range(max(1, b // 8), b + 1, max(1, b // 8)), b})
+                gamma = choose_gamma(measure_costs(model, b, window, guided=cfg.cfg_scale != 1.0, sizes=sizes), b)
+                log(f"hybrid execution: gamma = {gamma} (measured at batch {b}, window {window})")
+        return RolloutConfig(window=window, history_offset=cfg.history_offset, verify=cfg.verify, execution=execution,
+                             gamma=gamma, cfg_scale=cfg.cfg_scale, temperature=cfg.temperature)
+
+    def stage(self, step: int, planned_steps: int, state: dict) -> dict:
+        if self.rollout_seconds is None:  # first step of this process (a resumed run continues the sum)
+            self.rollout_seconds = float(state.get("rollout_seconds", 0.0))
+        state["rollout_seconds"] = round(self.rollout_seconds, 3)
+        return {}
+
+    def batch(self, step: int, micro: int, rank: int) -> dict:
+        cfg = self.cfg
+        gen = batch_generator(cfg.seed, step, micro, rank)
+        idx = torch.randint(0, len(self.codes), (cfg.batch_size,), generator=gen)
+        on_policy = bool(torch.rand((), generator=gen) < cfg.on_policy)
+        return {"labels": self.labels[idx], "codes": self.codes[idx].long(), "on_policy": on_policy,
+                "seed": int(torch.randint(0, 2**31 - 1, (), generator=gen))}
+
+    def rollout(self, model: torch.nn.Module, labels: torch.Tensor, prefix: torch.Tensor, seed: int):
+        """The student completes `prefix` frozen and in eval mode; back in training mode after."""
+        from selfspec.engines.rollout import ImageRolloutEngine
+
+        was_training = model.training
+        model.eval()
+        try:
+            started = time.perf_counter()
+            res = ImageRolloutEngine(model, self.layout, None).rollout(labels, prefix, self.rollout_config, seed=seed)
+            self.rollout_seconds = (self.rollout_seconds or 0.0) + time.perf_counter() - started
+        finally:
+            model.train(was_training)
+        return res
+
+    def forward(self, model: torch.nn.Module, batch: dict, stage: dict) -> dict:
+        lay = self.layout
+        plen = round(self.cfg.prefix_ratio * lay.tokens)
+        codes = batch["codes"].to(self.device)
+        labels = batch["labels"].to(self.device)
+        stats = {}
+        if batch["on_policy"]:
+            res = self.rollout(model, labels, codes[:, :plen], batch["seed"])
+            codes = res.codes.to(self.device)
+            stats = {"rounds": float(res.rounds), "tokens_per_round": res.tokens_per_round}
+        x = torch.cat([lay.class_ids(labels)[:, None], codes], 1)
+        student = _restricted(model(input_ids=x[:, :-1]).logits, lay.codebook_size)
+        with torch.no_grad():
+            teacher = _restricted(self.teacher.model(input_ids=x[:, :-1]).logits, lay.codebook_size)
+        mask = torch.zeros(codes.shape, dtype=torch.bool, device=self.device)
+        mask[:, plen:] = True  # logits row t predicts code t: the suffix codes
+        return {"student": student, "teacher": teacher, "codes": codes, "mask": mask, "stats": stats}
+
+    def loss(self, out: dict, batch: dict, stage: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg = self.cfg
+        if cfg.objective == "gkd":
+            loss = generalized_jsd(out["student"], out["teacher"], cfg.beta, out["mask"])
+            extra = {}
+        else:
+            loss, share = varkd_lite(out["student"], out["teacher"], out["codes"], out["mask"], cfg.varkd_confidence,
+                                     cfg.varkd_top_k)
+            extra = {"selected": share}
+        return loss, {"loss": loss.item(), **out["stats"], **extra,
+                      "rollout_s_total": self.rollout_seconds or 0.0}
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> dict:
+        from selfspec.images import ImageModel
+        from selfspec.training.image_eval import image_metrics, sample_images
+        from selfspec.training.image_gpt import sequence_loss
+
+        was_training = model.training
+        model.eval()
+        try:
+            im = ImageModel(model, self.layout, self.vq, Path("."))
+            images, labels = sample_images(im, self.cfg.eval_images, self.cfg.cfg_scale, 1.0, 64, 8, seed=12345,
+                                           progress=False)
+            metrics = image_metrics(images, labels, self.real_images).as_dict()
+            metrics["heldout_loss"] = round(sequence_loss(model, self.heldout_codes,
+                                                          self.layout.class_ids(self.heldout_labels)), 4)
+        finally:
+            model.train(was_training)
+        return metrics
+
+    def describe_eval(self, ev: dict) -> str:
+        return (f"FID {ev['fid']:.2f} IS {ev['inception_score']:.2f} P {ev['precision']:.2f} R {ev['recall']:.2f} "
+                f"class acc {ev['conditional_accuracy']:.2%} loss {ev['heldout_loss']:.3f}")
+
+    def postfix(self, stage: dict, stats: dict[str, float]) -> dict:
+        shown = {"loss": f"{stats['loss']:.4f}", "rollout_s": f"{stats.get('rollout_s_total', 0.0):.0f}"}
+        if "tokens_per_round" in stats:
+            shown["tok/rd"] = f"{stats['tokens_per_round']:.2f}"
+        return shown
+
+    def metadata(self, state: dict):
+        from selfspec.training.image_gpt import image_metadata
+
+        return image_metadata(self.layout, self.name, state)
+
+    def provenance(self, model: torch.nn.Module, state: dict, out: Path, train_seconds: float | None) -> dict:
+        cfg = self.cfg
+        history = state["history"]
+        return {"model": cfg.name or "opd-student", "command": C.command_line(), "config": asdict(cfg),
+                "data": state.get("data"), "steps": state["step"], "before": state.get("base_eval"),
+                "after": history[-1]["heldout"] if history else None, "history": history,
+                "rollout_seconds": round(max(state.get("rollout_seconds", 0.0), self.rollout_seconds or 0.0), 2),
+                "train_seconds": round(state["elapsed_s"], 1),
+                "total_seconds": round(train_seconds, 1) if train_seconds else None,
+                "gamma": self.rollout_config.gamma, "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def train_opd(cfg: OPDConfig) -> dict:
+    from selfspec.training.image_gpt import export_image_side_files
+
+    result = train(OPDObjective(cfg))
+    if "export" in result:
+        export_image_side_files(Path(result["export"]))
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    C.add_arguments(parser, OPDConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    train_opd(C.from_args(OPDConfig, args))
+    return 0
