@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_command(train, "opd", "visual on-policy distillation (GKD / VarKD-style) with an AR or HB-SJD rollout backend",
                  opd)
+    from selfspec.training import opd_compare
+
+    _add_command(train, "opd-compare", "the OPD comparison run: the same distillation with AR and with HB-SJD rollouts",
+                 opd_compare)
     from selfspec.training import image_eval
 
     p = train.add_parser("digits-classifier", help="train the digits CNN whose features give FID / IS / precision / recall",

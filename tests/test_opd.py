@@ -147,3 +147,18 @@ def test_both_backends_train_identically_and_resume(micro_pair, tmp_path):
     res = train_opd(_cfg(micro_pair, part, export=False, resume="auto"))
     for k, v in res["model"].state_dict().items():
         torch.testing.assert_close(v, runs["hbsjd"][k])
+
+
+def test_compare_run_reports_both_backends_and_stages(micro_pair, tmp_path):
+    from selfspec.training.opd import OPDConfig
+    from selfspec.training.opd_compare import compare, format_report
+
+    teacher, student = micro_pair
+    base = OPDConfig(out=str(tmp_path / "unused"), teacher=str(teacher), student=str(student), batch_size=4,
+                     prefix_ratio=0.9, steps=3, eval_every=0, eval_images=20, gamma=2, threads=1, progress_bar=False)
+    report = compare(base, tmp_path / "cmp")
+    assert set(report["runs"]) == {"ar", "hbsjd"} and len(report["stages"]) == 3
+    for run in report["runs"].values():
+        assert run["steps"] == 3 and run["rollout_s"] > 0 and run["before"]["fid"] > 0 and run["after"]["fid"] > 0
+    assert report["rollout_speedup"] > 0 and "rollout speedup" in format_report(report)
+    assert (tmp_path / "cmp" / "compare.json").exists()
