@@ -36,6 +36,7 @@ from selfspec.training.config import LoopConfig, option
 from selfspec.training.data import batch_generator
 from selfspec.training.image_data import NUM_CLASSES, digit_split, shifted
 from selfspec.training.image_tokenizer import CODEBOOK_DIR, TOKENS, PatchVQ
+from selfspec.training.losses import next_token_ce
 from selfspec.training.loop import train
 from selfspec.training.objective import Objective
 
@@ -182,8 +183,7 @@ class ImageGPTObjective(Objective):
         return model(input_ids=batch[:, :-1]).logits
 
     def loss(self, logits: torch.Tensor, batch: torch.Tensor, stage: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        return loss, {"loss": loss.item()}
+        return next_token_ce(logits, batch)
 
     def evaluate(self, model: torch.nn.Module) -> dict:
         lay = self.layout

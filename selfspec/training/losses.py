@@ -53,6 +53,13 @@ def shifted_labels(clean: torch.Tensor, loss_mask: torch.Tensor | None = None) -
     return labels
 
 
+def next_token_ce(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Pre-training's loss: logits [B, L, V] of tokens[:, :-1] against tokens[:, 1:], with the
+    loop's statistics."""
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    return loss, {"loss": loss.item()}
+
+
 def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     count = int((labels != IGNORE_INDEX).sum())
     if count == 0:

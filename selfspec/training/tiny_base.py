@@ -23,6 +23,7 @@ from selfspec.training import config as C
 from selfspec.training.config import LoopConfig, option
 from selfspec.training.corpus import HELDOUT_PERCENT, load_stdlib_split
 from selfspec.training.data import batch_generator
+from selfspec.training.losses import next_token_ce
 from selfspec.training.loop import train
 from selfspec.training.objective import Objective
 from selfspec.training.tokenizer import EOS_TOKEN, IM_END, train_bpe_tokenizer
@@ -166,8 +167,7 @@ class TinyBaseObjective(Objective):
         return model(input_ids=batch[:, :-1]).logits
 
     def loss(self, logits: torch.Tensor, batch: torch.Tensor, stage: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        return loss, {"loss": loss.item()}
+        return next_token_ce(logits, batch)
 
     def evaluate(self, model: torch.nn.Module) -> dict:
         loss = heldout_loss(model, self.eval_tokens, self.cfg.seq_len, self.cfg.batch_size)
