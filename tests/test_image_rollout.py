@@ -111,11 +111,11 @@ def test_cfg_fusion_and_code_restriction():
 
 
 # ------------------------------------------------------------------------------ greedy equality
-def naive_guided_greedy(model, labels, prefix, scale):
+def naive_guided_greedy(model, labels, prefix, scale, layout=LAYOUT):
     """Cached-nothing reference: every token from a full forward of both rows, fused."""
     seq = torch.cat([LAYOUT.class_ids(labels)[:, None], prefix], 1)
     with torch.no_grad():
-        while seq.shape[1] < 1 + LAYOUT.tokens:
+        while seq.shape[1] < 1 + layout.tokens:
             uncond = seq.clone()
             uncond[:, 0] = LAYOUT.null_id
             c = model(input_ids=seq).logits[:, -1].float()
@@ -125,13 +125,16 @@ def naive_guided_greedy(model, labels, prefix, scale):
     return seq[:, 1:]
 
 
-@pytest.mark.parametrize("scale", [1.0, 2.0])
-def test_cached_ar_with_cfg_equals_full_recompute(scale):
+@pytest.mark.parametrize("scale,plen", [(1.0, 180), (2.0, 180), (2.0, 0)])
+def test_cached_ar_with_cfg_equals_full_recompute(scale, plen):
+    """Cached AR with guidance against full recomputation of both rows, with a prefix and from
+    the class token alone (where the unconditional row's first token is the null class)."""
     model = tiny_image_model(2, peaked=4.0)
-    labels, prefix = torch.tensor([0, 3, 7]), torch.randint(0, 256, (3, 180))
-    ar = ImageRolloutEngine(model, LAYOUT).rollout(labels, prefix, RolloutConfig(window=0, cfg_scale=scale))
-    assert torch.equal(ar.codes, naive_guided_greedy(model, labels, prefix, scale))
-    assert torch.equal(ar.codes[:, :180], prefix)
+    short = ImageTokenLayout(tokens=24, grid=4) if plen == 0 else LAYOUT
+    labels, prefix = torch.tensor([0, 3, 7]), torch.randint(0, 256, (3, plen))
+    ar = ImageRolloutEngine(model, short).rollout(labels, prefix, RolloutConfig(window=0, cfg_scale=scale))
+    assert torch.equal(ar.codes, naive_guided_greedy(model, labels, prefix, scale, short))
+    assert torch.equal(ar.codes[:, :plen], prefix)
 
 
 @pytest.mark.parametrize("schedule", hbsjd.SCHEDULES)

@@ -104,9 +104,17 @@ class ImageRolloutEngine:
         self.background_code = background_code
 
     # ------------------------------------------------------------------ one forward
-    def _forward(self, cache: SlotKVCache, tokens: torch.Tensor, guided: bool, scale: float) -> torch.Tensor:
-        """tokens [B, W] (the same for both rows of a pair) -> fused, code-only logits [B, W, V]."""
-        rows = torch.cat([tokens, tokens]) if guided else tokens
+    def _forward(self, cache: SlotKVCache, tokens: torch.Tensor, length: torch.Tensor, guided: bool,
+                 scale: float) -> torch.Tensor:
+        """tokens [B, W] starting at each image's pending token -> fused, code-only logits
+        [B, W, V]. The two rows of a pair run the same tokens, except that a pending class token
+        (no prefix yet) is the null class in the unconditional row."""
+        if guided:
+            uncond = tokens.clone()
+            uncond[:, 0] = torch.where(length == 1, torch.full_like(length, self.layout.null_id), tokens[:, 0])
+            rows = torch.cat([tokens, uncond])
+        else:
+            rows = tokens
         batch = causal_batch(rows.shape[0], rows.shape[1], self.device)
         batch.tokens = rows
         cond, uncond = split_guided(self.runner.forward(cache, batch), guided)
@@ -165,7 +173,8 @@ class ImageRolloutEngine:
             num = hbsjd.draft_counts(length, total, w, cfg.schedule, window_end)
             width = 1 + int(num.max())
             pending = seq.gather(1, (length - 1).unsqueeze(1))
-            logits = self._forward(cache, torch.cat([pending, drafts[:, : width - 1]], 1), guided, cfg.cfg_scale)
+            logits = self._forward(cache, torch.cat([pending, drafts[:, : width - 1]], 1), length, guided,
+                                   cfg.cfg_scale)
             d = drafts[:, : width - 1]
             if cfg.greedy:
                 res = self.verify.greedy(logits, d, num)
