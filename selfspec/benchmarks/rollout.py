@@ -12,8 +12,8 @@ verification vs AR sampling at T = 1) for AR and Hybrid. Per arm: CPU time (medi
 `--repeats` runs; the 2 cores are shared, so CPU time is the figure to compare) and wall time,
 the mean and p95 latency at which images finish, verification rounds, committed tokens per
 image-round split into background (the empty patch code) and foreground, and greedy equality
-with AR. Sweeps (at the first batch size): W, H, γ (±25% and more around the calibrated value)
-and prefix ratio. Writes `rollout.json` and `rollout.png` under --out.
+with AR. Sweeps: W at every batch size (Hybrid, γ as calibrated for --window), and at the first
+batch size H, γ (±25% and more around the calibrated value) and prefix ratio. Writes `rollout.json` and `rollout.png` under --out.
 
 JSON schema ("selfspec.bench.rollout/v1"): {"schema", "model", "cfg", "prefix_ratio", "window",
 "history_offset", "repeats", "threads", "gamma": {B: γ}, "rows": [{"batch", "arm", "verify",
@@ -105,21 +105,22 @@ def run_bench(model: str, batches: list[int], window: int, history_offset: int |
             bar.update(1)
         b0 = batches[0]
         g0 = gammas[b0]
-        sweep_plan = []
+        sweep_plan = []  # (sweep, batch, W, H, γ, prefix ratio); W at every batch size, the rest at the first
         if "w" in sweeps:
-            sweep_plan += [("w", w, h, g0, prefix_ratio) for w in (2, 4, 8, 16) if w != window]
+            sweep_plan += [("w", b, w, h, gammas[b], prefix_ratio) for b in batches for w in (2, 4, 8, 16)
+                           if w != window]
         if "h" in sweeps:
-            sweep_plan += [("h", window, hh, g0, prefix_ratio) for hh in (1, lay.grid // 2, 2 * lay.grid) if hh != h]
+            sweep_plan += [("h", b0, window, hh, g0, prefix_ratio) for hh in (1, lay.grid // 2, 2 * lay.grid) if hh != h]
         if "gamma" in sweeps:
             values = sorted({max(0, min(b0, round(g0 * f))) for f in (0.5, 0.75, 1.25)} - {g0})
-            sweep_plan += [("gamma", window, h, g, prefix_ratio) for g in values]
+            sweep_plan += [("gamma", b0, window, h, g, prefix_ratio) for g in values]
         if "prefix" in sweeps:
-            sweep_plan += [("prefix", window, h, g0, r) for r in (0.2, 0.75) if r != prefix_ratio]
-        refs = {prefix_ratio: main_ar[(b0, "greedy")]} if (b0, "greedy") in main_ar else {}
-        for sweep, w, hh, g, ratio in tqdm(sweep_plan, desc="sweeps", unit="config"):
-            if ratio not in refs:  # AR at another prefix ratio, the reference of that row
-                refs[ratio] = one(b0, "ar", "greedy", w, hh, g, ratio, sweep, None)
-            one(b0, "hbsjd-hybrid", "greedy", w, hh, g, ratio, sweep, refs[ratio])
+            sweep_plan += [("prefix", b0, window, h, g0, r) for r in (0.2, 0.75) if r != prefix_ratio]
+        refs = {(b, prefix_ratio): main_ar[(b, "greedy")] for b in batches if (b, "greedy") in main_ar}
+        for sweep, b, w, hh, g, ratio in tqdm(sweep_plan, desc="sweeps", unit="config"):
+            if (b, ratio) not in refs:  # AR at another prefix ratio, the reference of that row
+                refs[(b, ratio)] = one(b, "ar", "greedy", w, hh, g, ratio, sweep, None)
+            one(b, "hbsjd-hybrid", "greedy", w, hh, g, ratio, sweep, refs[(b, ratio)])
     result = {"schema": "selfspec.bench.rollout/v1", "model": model, "cfg": cfg_scale, "prefix_ratio": prefix_ratio,
               "window": window, "history_offset": h, "repeats": repeats, "threads": torch.get_num_threads(),
               "gamma": gammas, "rows": rows}
@@ -143,16 +144,33 @@ def plot(result: dict, path: Path) -> None:
         if pts:
             axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)
             axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=arm)
+    best = best_window(result)
+    if best:
+        axes[0].plot(list(best), [b["speedup_vs_ar_cpu"] for b in best.values()], marker="*", ls="--",
+                     label="hbsjd-hybrid, best W (" + "/".join(str(b["window"]) for b in best.values()) + ")")
     axes[0].axhline(1.0, color="grey", lw=0.8)
     axes[0].set(xscale="log", xticks=batches, xticklabels=[str(b) for b in batches], xlabel="batch (images)",
                 ylabel="speedup vs cached AR (CPU time)", title=f"{result['model']}: greedy, W={result['window']}, "
                 f"prefix {result['prefix_ratio']}")
     axes[1].set(xscale="log", xticks=batches, xticklabels=[str(b) for b in batches], xlabel="batch (images)",
                 ylabel="verification rounds", title="rounds per rollout")
+    for ax in axes:
+        ax.minorticks_off()
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def best_window(result: dict) -> dict[int, dict]:
+    """Per batch size, the greedy Hybrid row (main run or W sweep) with the best CPU-time speedup."""
+    best: dict[int, dict] = {}
+    for r in result["rows"]:
+        if r["arm"] == "hbsjd-hybrid" and r["verify"] == "greedy" and r["sweep"] in (None, "w") \
+                and r["prefix_ratio"] == result["prefix_ratio"]:
+            if r["batch"] not in best or r["speedup_vs_ar_cpu"] > best[r["batch"]]["speedup_vs_ar_cpu"]:
+                best[r["batch"]] = r
+    return dict(sorted(best.items()))
 
 
 def format_table(result: dict) -> str:
@@ -206,5 +224,8 @@ def run(args: argparse.Namespace) -> int:
     result = run_bench(args.model, args.batch, args.window, args.history_offset, args.prefix_ratio, args.cfg,
                        args.repeats, sweeps, Path(args.out), verify)
     print(format_table(result))
+    for b, r in best_window(result).items():
+        print(f"batch {b}: best W = {r['window']}, Hybrid {r['speedup_vs_ar_cpu']}x cached AR (CPU time), "
+              f"{r['speedup_vs_ar_wall']}x wall")
     print(f"γ per batch: {result['gamma']}; wrote {Path(args.out) / 'rollout.json'} and rollout.png")
     return 0
