@@ -250,7 +250,7 @@ def _recipe(name: str, minutes: float, **sizes) -> ImageGPTConfig:
 
 
 RECIPES: dict[str, ImageGPTConfig] = {
-    "tiny-c2i-teacher": _recipe("tiny-c2i-teacher", 24.0),
+    "tiny-c2i-teacher": _recipe("tiny-c2i-teacher", 28.0),
     "tiny-c2i-student": _recipe("tiny-c2i-student", 12.0, hidden_size=128, num_layers=4, num_heads=4,
                                 num_kv_heads=2, head_dim=32, intermediate_size=384),
 }
