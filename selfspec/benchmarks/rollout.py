@@ -63,7 +63,7 @@ def run_bench(model: str, batches: list[int], window: int, history_offset: int |
               cfg_scale: float, repeats: int, sweeps: list[str], out: Path, verify: list[str]) -> dict:
     from selfspec.engines.rollout import RolloutConfig
     from selfspec.images import load_image_model, prefix_codes
-    from selfspec.tuning.gamma import choose_gamma, measure_costs
+    from selfspec.tuning.gamma import calibrated_gamma
 
     im = load_image_model(model)
     engine = im.engine()
@@ -93,9 +93,7 @@ def run_bench(model: str, batches: list[int], window: int, history_offset: int |
     with tqdm(total=len(plan), desc="bench rollout", unit="config") as bar:
         for batch, v in plan:
             if batch not in gammas:
-                sizes = sorted({1, *range(max(1, batch // 8), batch + 1, max(1, batch // 8)), batch})
-                gammas[batch] = choose_gamma(measure_costs(im.model, batch, window, guided=cfg_scale != 1.0,
-                                                           repeats=repeats, sizes=sizes), batch)
+                gammas[batch] = calibrated_gamma(im.model, batch, window, guided=cfg_scale != 1.0, repeats=repeats)[0]
             g = gammas[batch]
             ar = main_ar[(batch, v)] = one(batch, "ar", v, window, h, g, prefix_ratio, None, None)
             rows[-1].update(speedup_vs_ar_cpu=1.0, speedup_vs_ar_wall=1.0, equal_to_ar=True if v == "greedy" else None)

@@ -86,8 +86,10 @@ class RolloutResult:
                 "background_per_round": round(self.committed_background / n, 3)}
 
 
-def causal_batch(rows: int, width: int, device) -> StepBatch:
-    tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
+def causal_batch(tokens: torch.Tensor) -> StepBatch:
+    """A plain causal step over tokens [rows, width] (every row the same layout)."""
+    rows, width = tokens.shape
+    device = tokens.device
     offsets = torch.arange(width, device=device).repeat(rows, 1)
     local = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows, width, width)
     return StepBatch(tokens, offsets, local, None, [width] * rows)
@@ -115,8 +117,7 @@ class ImageRolloutEngine:
             rows = torch.cat([tokens, uncond])
         else:
             rows = tokens
-        batch = causal_batch(rows.shape[0], rows.shape[1], self.device)
-        batch.tokens = rows
+        batch = causal_batch(rows)
         cond, uncond = split_guided(self.runner.forward(cache, batch), guided)
         return restrict_to_codes(guided_logits(cond, uncond, scale), self.layout.codebook_size)
 
@@ -221,7 +222,6 @@ class ImageRolloutEngine:
                              image_rounds, finish, trace)
 
     def _prefill(self, cache: SlotKVCache, tokens: torch.Tensor) -> None:
-        batch = causal_batch(tokens.shape[0], tokens.shape[1], self.device)
-        batch.tokens = tokens
+        batch = causal_batch(tokens)
         self.runner.forward(cache, batch)
         cache.commit_prefix(torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=self.device))

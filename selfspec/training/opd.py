@@ -126,7 +126,7 @@ class OPDObjective(Objective):
 
     def _rollout_config(self, model, log):
         from selfspec.engines.rollout import RolloutConfig
-        from selfspec.tuning.gamma import choose_gamma, measure_costs
+        from selfspec.tuning.gamma import calibrated_gamma
 
         cfg = self.cfg
         if cfg.rollout == "ar":
@@ -134,10 +134,8 @@ class OPDObjective(Objective):
         else:
             window, execution, gamma = cfg.window, "hybrid", cfg.gamma
             if gamma is None:
-                b = cfg.batch_size
-                sizes = sorted({1, *range(max(1, b // 8), b + 1, max(1, b // 8)), b})
-                gamma = choose_gamma(measure_costs(model, b, window, guided=cfg.cfg_scale != 1.0, sizes=sizes), b)
-                log(f"hybrid execution: gamma = {gamma} (measured at batch {b}, window {window})")
+                gamma = calibrated_gamma(model, cfg.batch_size, window, guided=cfg.cfg_scale != 1.0)[0]
+                log(f"hybrid execution: gamma = {gamma} (measured at batch {cfg.batch_size}, window {window})")
         return RolloutConfig(window=window, history_offset=cfg.history_offset, verify=cfg.verify, execution=execution,
                              gamma=gamma, cfg_scale=cfg.cfg_scale, temperature=cfg.temperature)
 

@@ -63,8 +63,7 @@ def measure_costs(model, batch: int, window: int, context: int = 99, guided: boo
     out: dict[int, dict[str, float]] = {}
     for b in sizes or list(range(1, batch + 1)):
         cache = filled_cache(b) if b != batch else full
-        step = causal_batch(per * b, window + 1, device)
-        step.tokens = torch.randint(0, vocab, (per * b, window + 1), device=device)
+        step = causal_batch(torch.randint(0, vocab, (per * b, window + 1), device=device))
 
         def forward() -> None:
             engine.runner.forward(cache, step)  # reserves the step's slots; nothing is committed
@@ -84,6 +83,15 @@ def measure_costs(model, batch: int, window: int, context: int = 99, guided: boo
         t_c = _median_seconds(compact, repeats)
         out[b] = {"forward_s": t_f, "compact_s": t_c}
     return out
+
+
+def calibrated_gamma(model, batch: int, window: int, guided: bool = True, repeats: int = 3) -> tuple[int, dict]:
+    """(γ, the sweep it came from) for a batch of `batch` images at window W: the costs at
+    1, B/8, 2B/8, ..., B images and the rule of `choose_gamma`."""
+    step = max(1, batch // 8)
+    sizes = sorted({1, *range(step, batch + 1, step), batch})
+    costs = measure_costs(model, batch, window, guided=guided, repeats=repeats, sizes=sizes)
+    return choose_gamma(costs, batch), costs
 
 
 def choose_gamma(costs: dict[int, dict[str, float]], batch: int) -> int:
@@ -110,10 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch < 2 or args.window < 0:
         raise UsageError("--batch must be >= 2 and --window >= 0")
     im = load_image_model(args.model)
-    sizes = sorted({1, *range(max(1, args.batch // 8), args.batch + 1, max(1, args.batch // 8)), args.batch})
-    costs = measure_costs(im.model, args.batch, args.window, guided=args.cfg != 1.0, repeats=args.repeats,
-                          sizes=sizes)
-    gamma = choose_gamma(costs, args.batch)
+    gamma, costs = calibrated_gamma(im.model, args.batch, args.window, guided=args.cfg != 1.0, repeats=args.repeats)
     for b, c in costs.items():
         print(f"b={b:3d}  t_f={c['forward_s'] * 1e3:7.2f} ms  t_c={c['compact_s'] * 1e3:6.2f} ms")
     print(f"gamma = {gamma} (batch {args.batch}, window {args.window})")
