@@ -163,7 +163,8 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
         JSD_beta = beta * KL(p_T || m) + (1 - beta) * KL(p_S || m),
     except at the limits, where it is the plain KL: beta = 0 -> KL(p_T || p_S) (forward),
     beta = 1 -> KL(p_S || p_T) (reverse). (At beta = 0 and 1 the mixture form vanishes; GKD, and
-    TRL's trainer, read the endpoints as these two KLs.) Logits [..., V]; mask [...] bool."""
+    TRL's trainer, read the endpoints as these two KLs.) Logits [..., V]; mask [...] bool, or
+    float weights per position (a weighted mean)."""
     # Code-restricted logits are -inf outside the codes: clamped log-probabilities keep those
     # entries at exactly zero probability while every product (and its gradient) stays finite.
     log_s = torch.log_softmax(student_logits.float(), -1).clamp_min(-1e4)
@@ -181,7 +182,8 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
         per = beta * kl(log_t, log_m) + (1 - beta) * kl(log_s, log_m)
     if mask is None:
         return per.mean()
-    return (per * mask).sum() / mask.sum().clamp(min=1)
+    mask = mask.float()
+    return (per * mask).sum() / mask.sum().clamp(min=1e-8)
 
 
 def varkd_lite(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tokens: torch.Tensor,
@@ -197,13 +199,15 @@ def varkd_lite(student_logits: torch.Tensor, teacher_logits: torch.Tensor, token
          renormalised, so the student is not pulled toward the teacher's long tail;
       3. the loss is the forward KL(truncated p_T || p_S) at the selected positions.
     `tokens[..., i]` is the token that followed position i (the shifted labels). Returns the
-    loss and the share of masked positions that were selected."""
+    loss and the share of masked positions that were selected. `mask` may be float weights."""
     t_probs = torch.softmax(teacher_logits.float(), -1)
     top_vals, top_idx = t_probs.topk(top_k, dim=-1)
     in_top = (top_idx == tokens.unsqueeze(-1)).any(-1)
-    selected = mask & ((top_vals[..., 0] >= confidence) | in_top)
+    weight = mask.float()
+    selected = (weight > 0) & ((top_vals[..., 0] >= confidence) | in_top)
+    weight = weight * selected
     target = top_vals / top_vals.sum(-1, keepdim=True)  # over the teacher's top-k codes only
     log_s = torch.log_softmax(student_logits.float(), -1).gather(-1, top_idx)
     per = (target * (target.clamp_min(1e-12).log() - log_s)).sum(-1)
-    loss = (per * selected).sum() / selected.sum().clamp(min=1)
-    return loss, float(selected.sum()) / max(1, int(mask.sum()))
+    loss = (per * weight).sum() / weight.sum().clamp(min=1e-8)
+    return loss, float(selected.sum()) / max(1, int((mask.float() > 0).sum()))
