@@ -203,11 +203,11 @@ def varkd_lite(student_logits: torch.Tensor, teacher_logits: torch.Tensor, token
     t_probs = torch.softmax(teacher_logits.float(), -1)
     top_vals, top_idx = t_probs.topk(top_k, dim=-1)
     in_top = (top_idx == tokens.unsqueeze(-1)).any(-1)
-    weight = mask.float()
-    selected = (weight > 0) & ((top_vals[..., 0] >= confidence) | in_top)
-    weight = weight * selected
+    supervised = mask.float() > 0
+    selected = supervised & ((top_vals[..., 0] >= confidence) | in_top)
+    weight = mask.float() * selected
     target = top_vals / top_vals.sum(-1, keepdim=True)  # over the teacher's top-k codes only
     log_s = torch.log_softmax(student_logits.float(), -1).gather(-1, top_idx)
     per = (target * (target.clamp_min(1e-12).log() - log_s)).sum(-1)
     loss = (per * weight).sum() / weight.sum().clamp(min=1e-8)
-    return loss, float(selected.sum()) / max(1, int((mask.float() > 0).sum()))
+    return loss, float(selected.sum()) / max(1, int(supervised.sum()))

@@ -91,6 +91,16 @@ class OPDConfig(LoopConfig):
             raise UsageError("--window and --history-offset must be >= 1")
 
 
+def rollout_config(cfg: OPDConfig, backend: str, gamma: int | None):
+    """The rollouts of `backend` under `cfg`: cached AR (window 0), or HB-SJD with Hybrid execution."""
+    from selfspec.engines.rollout import RolloutConfig
+
+    hbsjd = backend == "hbsjd"
+    return RolloutConfig(window=cfg.window if hbsjd else 0, history_offset=cfg.history_offset, verify=cfg.verify,
+                         execution="hybrid" if hbsjd else "compact", gamma=gamma if hbsjd else None,
+                         cfg_scale=cfg.cfg_scale, temperature=cfg.temperature)
+
+
 def _restricted(logits: torch.Tensor, num_codes: int) -> torch.Tensor:
     from selfspec.decoding.cfg import restrict_to_codes
 
@@ -135,19 +145,13 @@ class OPDObjective(Objective):
         self.data_description = {**split.describe(), "teacher": cfg.teacher, "student": cfg.student}
 
     def _rollout_config(self, model, log):
-        from selfspec.engines.rollout import RolloutConfig
         from selfspec.tuning.gamma import calibrated_gamma
 
-        cfg = self.cfg
-        if cfg.rollout == "ar":
-            window, execution, gamma = 0, "compact", None
-        else:
-            window, execution, gamma = cfg.window, "hybrid", cfg.gamma
-            if gamma is None:
-                gamma = calibrated_gamma(model, cfg.batch_size, window, guided=cfg.cfg_scale != 1.0)[0]
-                log(f"hybrid execution: gamma = {gamma} (measured at batch {cfg.batch_size}, window {window})")
-        return RolloutConfig(window=window, history_offset=cfg.history_offset, verify=cfg.verify, execution=execution,
-                             gamma=gamma, cfg_scale=cfg.cfg_scale, temperature=cfg.temperature)
+        cfg, gamma = self.cfg, self.cfg.gamma
+        if cfg.rollout == "hbsjd" and gamma is None:
+            gamma = calibrated_gamma(model, cfg.batch_size, cfg.window, guided=cfg.cfg_scale != 1.0)[0]
+            log(f"hybrid execution: gamma = {gamma} (measured at batch {cfg.batch_size}, window {cfg.window})")
+        return rollout_config(cfg, cfg.rollout, gamma)
 
     def stage(self, step: int, planned_steps: int, state: dict) -> dict:
         if self.rollout_seconds is None:  # first step of this process (a resumed run continues the sum)
@@ -190,8 +194,8 @@ class OPDObjective(Objective):
             codes = res.codes.to(self.device)
             stats = {"rounds": float(res.rounds), "tokens_per_round": res.tokens_per_round}
         # Rollouts are conditioned on the class; the distillation input of a dropped row is the null
-        # class for teacher and student alike, as in pre-training: without it only the conditional
-        # branch moves and guidance (cond - uncond) amplifies the drift.
+        # class for teacher and student alike, as in pre-training, so the unconditional branch that
+        # guidance subtracts is distilled too.
         cls = torch.where(batch["null_rows"].to(self.device), lay.null_id, lay.class_ids(labels))
         x = torch.cat([cls[:, None], codes], 1)
         student = _restricted(model(input_ids=x[:, :-1]).logits, lay.codebook_size)

@@ -40,21 +40,20 @@ def _checkpoint_model(checkpoint: Path, like: torch.nn.Module) -> torch.nn.Modul
 
 def stage_speedups(run_dir: Path, base, gamma: int, repeats: int = 3) -> list[dict]:
     """HB-SJD vs cached AR rollout CPU time on each saved checkpoint of a run (`base`: its OPDConfig)."""
-    from selfspec.engines.rollout import ImageRolloutEngine, RolloutConfig
+    from selfspec.engines.rollout import ImageRolloutEngine
     from selfspec.images import load_image_model, prefix_codes
+    from selfspec.training.opd import rollout_config
 
     im = load_image_model(base.student)
     labels = torch.arange(base.batch_size) % 10
     prefix = prefix_codes(im, labels, base.prefix_ratio)
-    common = dict(verify=base.verify, temperature=base.temperature, cfg_scale=base.cfg_scale)
     out = []
     for ckpt in sorted((run_dir / "checkpoints").glob("step-*")):
         model = _checkpoint_model(ckpt, im.model)
         engine = ImageRolloutEngine(model, im.layout)
         times, codes = {}, {}
-        for name, cfg in {"ar": RolloutConfig(window=0, **common),
-                          "hbsjd": RolloutConfig(window=base.window, history_offset=base.history_offset,
-                                                 execution="hybrid", gamma=gamma, **common)}.items():
+        for name in ("ar", "hbsjd"):
+            cfg = rollout_config(base, name, gamma)
             cpu = []
             for _ in range(repeats):
                 start = time.process_time()
@@ -102,8 +101,10 @@ def compare(base, out: Path) -> dict:
         history = state["history"]
         # The loop's clock counts the periodic evaluations, not the one before training (a fresh run's first).
         periodic = sum(objective.eval_durations[1:])
-        runs[backend] = {"rollout_s": round(state.get("rollout_seconds", 0.0), 1),
-                         "loop_s": round(state["elapsed_s"] - periodic, 1),
+        # The state's sum is stamped at each step's start; the objective's includes the last step.
+        rollout_s = max(state.get("rollout_seconds", 0.0), objective.rollout_seconds or 0.0)
+        runs[backend] = {"rollout_s": round(rollout_s, 3),
+                         "loop_s": round(state["elapsed_s"] - periodic, 3),
                          "eval_s": round(sum(objective.eval_durations), 1), "end_to_end_s": round(end_to_end, 1),
                          "gamma": objective.rollout_config.gamma,
                          "before": state.get("base_eval"), "after": history[-1]["heldout"] if history else None,
