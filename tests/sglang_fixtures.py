@@ -158,12 +158,93 @@ def distribution_pvalues(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> 
     return out
 
 
+def rule_requests(plain_outputs: list[list[int]]) -> list[tuple[int, dict]]:
+    """(prompt index, sampling params) of greedy requests with logits rules, each built so that
+    it changes the AR server's output (checked when the reference is taken): penalties,
+    logit_bias on tokens the plain output uses, min_new_tokens holding back a stop token that
+    the plain output reaches early, min_p (a no-op for greedy, served all the same) and a mix."""
+    out3, out4, out5 = plain_outputs[3], plain_outputs[4], plain_outputs[5]
+    return [
+        (0, {"frequency_penalty": 0.6}),
+        (1, {"presence_penalty": 0.8}),
+        (2, {"repetition_penalty": 1.3}),
+        (3, {"logit_bias": {str(out3[0]): -100.0, str(out3[4]): 4.0}}),
+        (4, {"stop_token_ids": [out4[2]], "min_new_tokens": 12}),
+        (5, {"frequency_penalty": 0.3, "presence_penalty": 0.2, "repetition_penalty": 1.1, "min_p": 0.2,
+             "logit_bias": {str(out5[1]): -3.0}}),
+    ]
+
+
+def rule_outputs(base_url: str, heldout_ids: list[list[int]], requests: list[tuple[int, dict]],
+                 concurrent: bool) -> list[list[int]]:
+    fn = lambda r: native_generate(base_url, heldout_ids[r[0]], **r[1])["output_ids"]  # noqa: E731
+    return burst(fn, requests, len(requests)) if concurrent else [fn(r) for r in requests]
+
+
+def check_rules_match_ar(base_url: str, heldout_ids: list[list[int]], reference: dict) -> None:
+    """Greedy requests with penalties / logit_bias / min_tokens / min_p return exactly the AR
+    server's output, sent one at a time and as one burst mixed with plain requests."""
+    requests, want = reference["rule_requests"], reference["rule_outputs"]
+    got = rule_outputs(base_url, heldout_ids, requests, concurrent=False)
+    bad = [f"{p}: got {g} want {w}" for (_, p), g, w in zip(requests, got, want) if g != w]
+    assert not bad, "outputs with logits rules differ from the AR server's:\n" + "\n".join(bad)
+    mixed = requests + [(i, {}) for i in range(6, 12)]
+    outs = rule_outputs(base_url, heldout_ids, mixed, concurrent=True)
+    assert outs[: len(requests)] == want
+    assert outs[len(requests):] == reference["output_ids"][6:12]
+
+
+#: (prompt index, sampling params) of the logprob comparison; one with penalties (logprobs come
+#: from the processed distribution), one sampled row beside them in the same batch
+LOGPROB_REQUESTS = [(0, {}), (1, {}), (2, {"frequency_penalty": 0.5, "repetition_penalty": 1.2})]
+
+
+def logprob_outputs(base_url: str, heldout_ids: list[list[int]], concurrent: bool = False) -> list[dict]:
+    """Greedy requests with logprobs, top-3 logprobs and two token-id logprobs per position."""
+    def one(req):
+        i, extra = req
+        body = {"input_ids": heldout_ids[i], "return_logprob": True, "top_logprobs_num": 3,
+                "token_ids_logprob": [5, 17],
+                "sampling_params": {"temperature": 0, "max_new_tokens": 16, **extra}}
+        meta = post_json(base_url, "/generate", body)["meta_info"]
+        return {"ids": [t[1] for t in meta["output_token_logprobs"]],
+                "logprobs": [t[0] for t in meta["output_token_logprobs"]],
+                "top_ids": [[x[1] for x in pos] for pos in meta["output_top_logprobs"]],
+                "top_logprobs": [[x[0] for x in pos] for pos in meta["output_top_logprobs"]],
+                "token_ids_logprobs": [[x[0] for x in pos] for pos in meta["output_token_ids_logprobs"]]}
+    return burst(one, LOGPROB_REQUESTS, len(LOGPROB_REQUESTS)) if concurrent else [one(r) for r in LOGPROB_REQUESTS]
+
+
+def check_logprobs_match_ar(base_url: str, heldout_ids: list[list[int]], reference: dict, tol: float = 1e-4) -> None:
+    """Greedy outputs' logprobs (the emitted token's, top-3 and token-id ones) equal the AR
+    server's to `tol`, sequentially and as a burst."""
+    for concurrent in (False, True):
+        got = logprob_outputs(base_url, heldout_ids, concurrent)
+        for (i, extra), g, w in zip(LOGPROB_REQUESTS, got, reference["logprobs"]):
+            assert g["ids"] == w["ids"] and len(g["ids"]) == 16, (i, extra)
+            assert g["top_ids"] == w["top_ids"], (i, extra)
+            for key in ("logprobs", "top_logprobs", "token_ids_logprobs"):
+                a = torch_tensor(g[key])
+                b = torch_tensor(w[key])
+                assert a.shape == b.shape and float((a - b).abs().max()) < tol, (i, extra, key, g[key], w[key])
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.float64)
+
+
 @pytest.fixture(scope="session")
 def ar_reference(tmp_path_factory, heldout_ids, tiny_base_path) -> dict:
     """Greedy outputs of the plain (AR) server on the held-out prompts, sequential requests, and
     its sampled outputs on SAMPLE_TEXT (`check_sampling_matches_ar`). The AR server is stopped
     before the fixture returns (one server at a time)."""
-    proc = start_server(tmp_path_factory, "ar", server_args("--disable-radix-cache"))
+    # Overlap scheduling off: with it, SGLang's own AR path counts penalties one token late (the
+    # penalizer reads req.output_ids[-1] before the previous step's token is appended, and the
+    # last prompt token at the first decode); its non-overlap path counts what the penalty
+    # definitions say, which is what the selfspec modes do (they run without overlap anyway).
+    proc = start_server(tmp_path_factory, "ar", server_args("--disable-radix-cache", "--disable-overlap-schedule"))
     try:
         outs = [native_generate(proc.base_url, ids)["output_ids"] for ids in heldout_ids]
         texts = [openai_complete(proc.base_url, ids) for ids in heldout_ids]
@@ -173,8 +254,14 @@ def ar_reference(tmp_path_factory, heldout_ids, tiny_base_path) -> dict:
         sample_ids = tok(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
         samples = sampled_outputs(proc.base_url, sample_ids, range(SAMPLES))
         greedy = native_generate(proc.base_url, sample_ids, SAMPLE_LEN, ignore_eos=True)["output_ids"]
+        requests = rule_requests(outs)
+        ruled = rule_outputs(proc.base_url, heldout_ids, requests, concurrent=False)
+        for (i, params), got in zip(requests, ruled):  # every rule changes what AR emits
+            assert got != outs[i], f"{params} changed nothing"
+        logprobs = logprob_outputs(proc.base_url, heldout_ids)
         return {"output_ids": outs, "texts": texts, "sample_ids": sample_ids, "samples": samples,
-                "sample_greedy": tuple(greedy)}
+                "sample_greedy": tuple(greedy), "rule_requests": requests, "rule_outputs": ruled,
+                "logprobs": logprobs}
     finally:
         proc.stop()
 

@@ -103,6 +103,8 @@ def _samples(engine, sampling, mode, config=None, seed_base=0):
     return Counter(tuple(o.token_ids[:STEPS]) for o in outs), hist
 
 
+RULES = SamplingParams(0.9, top_k=7, top_p=0.85, min_p=0.05, frequency_penalty=0.8, presence_penalty=0.3,
+                       repetition_penalty=1.6, logit_bias=((4, 1.5), (7, -2.0)))
 CASES = [
     ("ar", None, SamplingParams(1.0)),
     ("isd", {"stride": 3}, SamplingParams(1.0)),
@@ -115,6 +117,10 @@ CASES = [
     ("sjd", {"window": 3, "history_offset": 1}, SamplingParams(1.0)),
     ("sjd", {"window": 2, "history_offset": 2}, SamplingParams(0.8, top_k=6, top_p=0.9)),
     ("ngram", {"num_draft": 2, "match_sizes": (1,)}, SamplingParams(1.0)),
+    # per-position logits rules and SGLang's filters (top-p on the unfiltered mass, min_p)
+    ("isd", {"stride": 3, "proposal": "sample"}, RULES),
+    ("isd", {"stride": 2, "context_tokens": 3, "context_match_sizes": (1,)}, RULES),
+    ("sjd", {"window": 3, "history_offset": 1}, RULES),
 ]
 
 
@@ -129,6 +135,9 @@ def test_mode_reproduces_ar_sampling_distribution(small, mode, config, sampling)
     print(f"{mode} {config} {sampling}: chi2 {stat:.1f} dof {dof} p {pvalue:.3f}, empirical TV {tv:.4f}, "
           f"accept hist {dict(sorted(hist.items()))}")
     assert pvalue > ALPHA
+    if sampling.has_logits_rules:  # the rules matter: the samples reject the law without them
+        plain = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        assert chi_square_pvalue(counts, exact_distribution(model, PROMPT, STEPS, plain))[1] < 1e-6
     if mode != "ar":  # both acceptances (>= 2 tokens) and rejections (1 token) happened
         assert hist[1] > 0 and any(k >= 2 for k in hist), hist
 

@@ -104,7 +104,7 @@ def _per_row(value, dtype, bsz):
     return torch.as_tensor(value, dtype=dtype, device=DEVICE).expand(bsz)
 
 
-def audit_flags(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, draft_probs, ref):
+def audit_flags(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, draft_probs, ref, min_p=0.0):
     """[B] bool: the reference's decision for this sequence rests on a float knife edge or on
     top-p tie order, so a faithful implementation may legitimately decide differently."""
     bsz, depth = drafts.shape
@@ -117,7 +117,7 @@ def audit_flags(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, draft
     safe_t = torch.where(greedy, torch.ones_like(temp), temp)
     scaled = logits.float() / safe_t.view(-1, 1, 1)
     smax = scaled.amax(-1)  # [B, D+1]
-    probs = logits_to_probs(logits, temp, k, top)
+    probs = logits_to_probs(logits, temp, k, top, _per_row(min_p, torch.float32, bsz))
     idx = torch.arange(depth + 1, device=DEVICE)
     relevant_rows = idx.unsqueeze(0) <= ref.accept_len.unsqueeze(1)  # rows whose decision was used
 
@@ -161,10 +161,10 @@ def audit_flags(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, draft
     # top-p boundary: tie groups split by sort order, or cumulative mass within rounding of top_p
     p_act = (top < 1.0) & ~greedy
     if bool(p_act.any()):
-        pre = logits_to_probs(logits, temp, k, 1.0)  # top-k applied, top-p not yet
+        pre = logits_to_probs(logits, temp, 0, 1.0)  # top-p is measured on the unfiltered mass
         sorted_p = pre.sort(dim=-1, descending=True).values
         mass_before = sorted_p.cumsum(-1) - sorted_p
-        n_keep = (mass_before < top.view(-1, 1, 1)).long().cumprod(-1).sum(-1).clamp(1, vocab - 1)
+        n_keep = (mass_before <= top.view(-1, 1, 1)).long().cumprod(-1).sum(-1).clamp(1, vocab - 1)
         pb = sorted_p.gather(-1, (n_keep - 1).unsqueeze(-1)).squeeze(-1)
         nxt = sorted_p.gather(-1, n_keep.unsqueeze(-1)).squeeze(-1)
         mb_drop = mass_before.gather(-1, n_keep.unsqueeze(-1)).squeeze(-1)
@@ -177,20 +177,20 @@ def audit_flags(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, draft
 
 
 def compare_speculative(logits, drafts, nd, seeds, temperature, top_k=0, top_p=1.0, tau=0.0, draft_probs=None,
-                        max_knife_flips=None, **launch):
-    ref = speculative_verify_reference(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, draft_probs)
+                        max_knife_flips=None, min_p=0.0, **launch):
+    ref = speculative_verify_reference(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, draft_probs, min_p)
     bsz, depth = drafts.shape
     out = (torch.full((bsz,), POISON, dtype=torch.long, device=DEVICE),
            torch.full((bsz,), POISON, dtype=torch.long, device=DEVICE))
     tokens = torch.full((bsz, depth + 1), POISON, dtype=torch.long, device=DEVICE)
     stats: dict = {}
     got = vt.speculative_verify_triton(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, draft_probs,
-                                       out=out, out_tokens=tokens, stats=stats, **launch)
+                                       min_p, out=out, out_tokens=tokens, stats=stats, **launch)
     assert got.accept_len is out[0] and got.next_tokens is out[1]
     assert (got.accept_len != POISON).all() and (got.next_tokens != POISON).all()
     check_tokens(tokens, drafts, got.accept_len, got.next_tokens)
 
-    knife, ties = audit_flags(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, draft_probs, ref)
+    knife, ties = audit_flags(logits, drafts, nd, seeds, temperature, top_k, top_p, tau, draft_probs, ref, min_p)
     mismatch = (got.accept_len != ref.accept_len) | (got.next_tokens != ref.next_tokens)
     unexplained = mismatch & ~knife & ~ties
     AUDIT["sequences"] += bsz
@@ -311,6 +311,8 @@ def test_speculative_verify_matches_reference(vocab, bsz, depth, dtype, block, s
     elif settings == "mixed":
         temp, top_k, top_p, tau = mixed_settings(gen, bsz, vocab)
         compare_speculative(logits, drafts, nd, seeds, temp, top_k, top_p, tau, **launch)
+        min_p = torch.tensor([0.0, 0.05, 0.3])[torch.randint(0, 3, (bsz,), generator=gen)].to(DEVICE)
+        compare_speculative(logits, drafts, nd, seeds, temp, top_k, top_p, tau, min_p=min_p, **launch)
     else:
         if depth == 0:
             pytest.skip("no drafts, no q")

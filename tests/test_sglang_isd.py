@@ -180,28 +180,70 @@ def test_aborted_stream_frees_kv_and_server_keeps_serving(client, server, heldou
     assert out["output_ids"] == ar_reference["output_ids"][9]
 
 
-def test_invalid_request_gets_400(client):
+def test_unsupported_request_gets_400(client):
     with pytest.raises(openai.APIStatusError) as info:
-        client.completions.create(model="default", prompt="x = ", max_tokens=4, temperature=0, frequency_penalty=1.0)
+        client.completions.create(model="default", prompt="x = ", max_tokens=4, temperature=0,
+                                  extra_body={"regex": "[0-9]+"})
     assert info.value.status_code == 400
-    assert "does not support" in str(info.value)
+    assert "does not support" in str(info.value) and "constrained decoding" in str(info.value)
 
 
-def test_logprobs_refused_with_400(client):
-    with pytest.raises(openai.APIStatusError) as info:
-        client.completions.create(model="default", prompt="x = ", max_tokens=4, temperature=0, logprobs=2)
-    assert info.value.status_code == 400
-    assert "logprobs" in str(info.value)
+def test_custom_logit_processor_refused_with_400(server, heldout_ids):
+    import urllib.error
+
+    from sglang_fixtures import post_json
+
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post_json(server.base_url, "/generate", {"input_ids": heldout_ids[0], "custom_logit_processor": "{}",
+                                                 "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    assert info.value.code == 400
+    assert "custom logit processors" in info.value.read().decode()
+
+
+def test_logprobs_through_the_openai_client_streaming_included(client, heldout_ids, ar_reference):
+    want = ar_reference["logprobs"][0]
+    kw = dict(model="default", prompt=heldout_ids[0], max_tokens=16, temperature=0, logprobs=3)
+    out = client.completions.create(**kw)
+    lps = out.choices[0].logprobs
+    assert abs(lps.token_logprobs[0] - want["logprobs"][0]) < 1e-4 and len(lps.token_logprobs) == 16
+    assert len(lps.top_logprobs[0]) == 3
+    chunks = list(client.completions.create(**kw, stream=True))
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert len(streamed) == 16 and max(abs(a - b) for a, b in zip(streamed, want["logprobs"])) < 1e-4
+    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Sort a list."}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) >= 1 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
 
 
 def test_aggregate_tpf_in_logs_metrics_and_server_info(server, heldout_ids):
     from sglang_fixtures import internal_state
 
-    burst(lambda ids: native_generate(server.base_url, ids, max_new_tokens=64), heldout_ids[:8])
+    before = internal_state(server.base_url)["selfspec"]
+    # short max_tokens and a stop token: steps emit runs that SGLang truncates
+    outs = burst(lambda ids: native_generate(server.base_url, ids, max_new_tokens=13, stop_token_ids=[ids[-1]]),
+                 heldout_ids[:8])
     state = internal_state(server.base_url)
     assert state["selfspec"]["mode"] == "ISD" and state["selfspec"]["tokens_per_forward"] >= 1.0
+    after = state["selfspec"]
+    metas = [o["meta_info"] for o in outs]
+    assert after["requests"] - before["requests"] == 8
+    # the aggregate is the per-request numbers summed: kept tokens, forwards = verify steps + prefill
+    assert after["committed_tokens"] - before["committed_tokens"] == sum(m["completion_tokens"] for m in metas)
+    assert after["forwards"] - before["forwards"] == sum(m.get("spec_verify_ct", 0) + 1 for m in metas)
     with urllib.request.urlopen(server.base_url + "/metrics", timeout=60) as r:
         text = r.read().decode()
     assert "sglang:spec_accept_length" in text
     assert 'selfspec:tokens_per_forward{mode="ISD"}' in text
     assert "[selfspec] ISD: accepted length" in server.log_file.read_text()
+
+
+def test_isd_penalties_bias_min_tokens_equal_ar(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_rules_match_ar
+
+    check_rules_match_ar(server.base_url, heldout_ids, ar_reference)
+
+
+def test_isd_logprobs_equal_ar(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_logprobs_match_ar
+
+    check_logprobs_match_ar(server.base_url, heldout_ids, ar_reference)

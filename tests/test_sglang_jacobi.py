@@ -45,3 +45,15 @@ def test_jacobi_refuses_sampling(server, heldout_ids):
     assert "greedy only" in str(info.value)
     ok = native_generate(server.base_url, heldout_ids[0], max_new_tokens=4)
     assert len(ok["output_ids"]) == 4
+
+
+def test_jacobi_penalties_bias_min_tokens_equal_ar(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_rules_match_ar
+
+    check_rules_match_ar(server.base_url, heldout_ids, ar_reference)
+
+
+def test_jacobi_logprobs_equal_ar(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_logprobs_match_ar
+
+    check_logprobs_match_ar(server.base_url, heldout_ids, ar_reference)

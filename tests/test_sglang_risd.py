@@ -55,3 +55,15 @@ def test_risd_sampling_reproducible(server, heldout_ids):
     a = native_generate(server.base_url, heldout_ids[0], **kw)
     b = native_generate(server.base_url, heldout_ids[0], **kw)
     assert a["output_ids"] == b["output_ids"]
+
+
+def test_risd_penalties_bias_min_tokens_equal_ar(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_rules_match_ar
+
+    check_rules_match_ar(server.base_url, heldout_ids, ar_reference)
+
+
+def test_risd_logprobs_equal_ar(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_logprobs_match_ar
+
+    check_logprobs_match_ar(server.base_url, heldout_ids, ar_reference)

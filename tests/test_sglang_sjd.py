@@ -41,3 +41,15 @@ def test_sjd_sampling_reproducible_in_any_batch(server, heldout_ids, tokenizer):
     assert mixed[0]["output_ids"] == alone
     assert all(0 <= t < len(tokenizer) for t in alone)
     assert wait_tokens_zero(server.base_url) == 0
+
+
+def test_sjd_penalties_bias_min_tokens_equal_ar(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_rules_match_ar
+
+    check_rules_match_ar(server.base_url, heldout_ids, ar_reference)
+
+
+def test_sjd_logprobs_equal_ar(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_logprobs_match_ar
+
+    check_logprobs_match_ar(server.base_url, heldout_ids, ar_reference)

@@ -185,10 +185,15 @@ def test_request_checks():
     check_sampling_params(sp(top_k=50), "SJD")
     with pytest.raises(ValueError, match="greedy only"):
         check_sampling_params(sp(top_k=50), "JACOBI")
-    with pytest.raises(ValueError, match="penalties"):
-        check_sampling_params(sp(repetition_penalty=1.2), "ISD")
+    # served exactly now (logits_rules): no refusal
+    check_sampling_params(sp(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5, min_p=0.1,
+                             logit_bias={"3": -5.0}, min_new_tokens=4), "ISD")
     with pytest.raises(ValueError, match="constrained decoding"):
         check_sampling_params(sp(regex="a+"), "RISD")
+    with pytest.raises(ValueError, match="beam search"):
+        check_sampling_params(sp(beam_width=4), "SJD")
+    with pytest.raises(ValueError, match="watermark"):
+        check_sampling_params(sp(watermark={"key": 1}), "ISD")
 
 
 def test_request_metrics_conventions():
@@ -204,12 +209,17 @@ def test_sampling_from_sglang_params():
 
     from selfspec.sglang_ext.worker import base_seed_for, sampling_from_req
 
-    greedy = SimpleNamespace(sampling_params=SimpleNamespace(top_k=1, temperature=1.0, top_p=1.0, sampling_seed=None),
-                             rid="a")
-    assert sampling_from_req(greedy).greedy
+    rules = dict(frequency_penalty=0.5, presence_penalty=0.0, repetition_penalty=1.2, min_p=0.1,
+                 logit_bias={"7": -2.0, "07": -3.0}, min_new_tokens=3)
+    greedy = SimpleNamespace(sampling_params=SimpleNamespace(top_k=1, temperature=1.0, top_p=1.0, sampling_seed=None,
+                                                             **rules), rid="a")
+    g = sampling_from_req(greedy)
+    assert g.greedy and g.min_p == 0.0  # min_p cannot change a greedy token
+    # a greedy request keeps its rules; "7" and "07" are one token, the last value wins as in SGLang
+    assert (g.frequency_penalty, g.repetition_penalty, g.logit_bias, g.min_new_tokens) == (0.5, 1.2, ((7, -3.0),), 3)
     sampled = SimpleNamespace(sampling_params=SimpleNamespace(top_k=1 << 30, temperature=0.7, top_p=0.9,
-                                                              sampling_seed=5), rid="b")
+                                                              sampling_seed=5, **rules), rid="b")
     p = sampling_from_req(sampled)
-    assert (p.temperature, p.top_k, p.top_p) == (0.7, 0, 0.9)
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.7, 0, 0.9, 0.1)
     assert base_seed_for(sampled) == 5
     assert base_seed_for(greedy) == base_seed_for(greedy)  # derived from the id: same on every TP rank

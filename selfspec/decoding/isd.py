@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding.ngram import SuffixIndex, match_sizes
-from selfspec.decoding.sampling import logits_to_probs, sample_from_probs
+from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
@@ -190,7 +190,7 @@ class ISDMode(Mode):
         also each sampled row's q (None for rows whose proposals are one-hot)."""
         if self.config.proposal != "sample" or ctx.all_greedy:
             return mask_logits.argmax(-1).tolist(), None
-        q = logits_to_probs(mask_logits, ctx.temperature, ctx.top_k, ctx.top_p)
+        q = ctx.probs(mask_logits)
         seeds = ctx.seeds[:, self.verify_seeds : self.verify_seeds + mask_logits.shape[1]]
         drawn = sample_from_probs(q, seeds).tolist()
         return drawn, [None if g else q[b] for b, g in enumerate(ctx.greedy.tolist())]
@@ -199,8 +199,7 @@ class ISDMode(Mode):
         """A step with a candidate branch (`tree_verify`): the winning path's drafts, then the
         MASK proposals of that path if it was accepted whole and has them."""
         plan = seq.state.plan
-        res = verify_paths(logits, plan.paths, ctx.seeds[0], float(ctx.temperature[0]), int(ctx.top_k[0]),
-                           float(ctx.top_p[0]), self.config.tau)
+        res = verify_paths(logits, plan.paths, ctx.seeds[0], tau=self.config.tau, **ctx.row(0))
         path = plan.paths[res.path]
         positions = path.rows[1:] + [path.end_row]  # step index of draft i is positions[i]
         emit = path.tokens[: res.accepted] + [res.next_token]

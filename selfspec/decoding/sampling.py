@@ -2,9 +2,19 @@
 
 One definition shared by AR sampling in every engine and by the speculative verify rules, so
 that speculative acceptance with tau = 0 reproduces AR sampling's distribution exactly.
-Order: temperature, then top-k (ties at the k-th value are kept), then softmax, then top-p
-(smallest descending prefix whose mass reaches top_p; the top token is always kept), then
-renormalise. temperature == 0 means greedy: p is one-hot at the first argmax.
+
+It follows SGLang 0.5.23's torch sampler (`layers/sampler.py`,
+`top_k_top_p_min_p_sampling_from_probs_torch`, the path its CPU server takes; its GPU path,
+FlashInfer's `top_k_top_p_sampling_from_probs(filter_apply_order="joint")`, keeps the same set):
+probs = softmax(logits / temperature), then three filters, each measured on those *unfiltered*
+probs, and a token is kept iff all three keep it:
+- top-k: among the k largest (ties at the k-th value are kept; SGLang's sort breaks such
+  ties in an unspecified order, a measure-zero event for real logits);
+- top-p: the probability mass strictly before it in descending order is <= top_p (so the top
+  token is always kept);
+- min-p: its probability is >= min_p * the largest probability.
+The kept probabilities are renormalised. temperature == 0 means greedy: one-hot at the first
+argmax (no filter changes an argmax).
 """
 
 from __future__ import annotations
@@ -21,6 +31,13 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    # Logits rules (`selfspec.decoding.logits_rules`), applied before temperature and the filters
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_new_tokens: int = 0  # stop tokens are masked while fewer tokens have been generated
 
     def __post_init__(self) -> None:
         # SGLang's rules (SamplingParams.verify), so the engines refuse what a server refuses;
@@ -31,10 +48,22 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or at least 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def has_logits_rules(self) -> bool:
+        """Whether any rule of `selfspec.decoding.logits_rules` changes this request's logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_new_tokens)
 
 
 def _broadcast(value: torch.Tensor | float | int, rows: torch.Size, dtype, device) -> torch.Tensor:
@@ -49,10 +78,11 @@ def logits_to_probs(
     temperature: torch.Tensor | float,
     top_k: torch.Tensor | int = 0,
     top_p: torch.Tensor | float = 1.0,
+    min_p: torch.Tensor | float = 0.0,
 ) -> torch.Tensor:
     """logits [..., V] -> probabilities [..., V] in fp32.
 
-    `temperature`, `top_k`, `top_p` are scalars or tensors broadcastable from the left
+    `temperature`, `top_k`, `top_p`, `min_p` are scalars or tensors broadcastable from the left
     (e.g. shape [B] for logits [B, T, V]: one setting per sequence).
     """
     logits = logits.float()
@@ -61,25 +91,34 @@ def logits_to_probs(
     temp = _broadcast(temperature, rows, torch.float32, logits.device)
     k = _broadcast(top_k, rows, torch.long, logits.device)
     p_cut = _broadcast(top_p, rows, torch.float32, logits.device)
+    m_cut = _broadcast(min_p, rows, torch.float32, logits.device)
 
     greedy = temp <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(-1)
+    probs = torch.softmax(scaled, dim=-1)
+    keep = None
 
     k_active = (k > 0) & (k < vocab)
     if bool(k_active.any()):
-        sorted_desc = scaled.sort(dim=-1, descending=True).values
-        kth = sorted_desc.gather(-1, (k.clamp(1, vocab) - 1).unsqueeze(-1))
-        scaled = torch.where(k_active.unsqueeze(-1) & (scaled < kth), float("-inf"), scaled)
-
-    probs = torch.softmax(scaled, dim=-1)
+        k_rows = torch.where(k_active, k, torch.ones_like(k))
+        kth = scaled.topk(int(k_rows.max()), dim=-1).values.gather(-1, (k_rows - 1).unsqueeze(-1))
+        keep = ~k_active.unsqueeze(-1) | (scaled >= kth)
 
     p_active = p_cut < 1.0
     if bool(p_active.any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_p.cumsum(-1) - sorted_p
-        drop_sorted = mass_before >= p_cut.unsqueeze(-1)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) > p_cut.unsqueeze(-1)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = torch.where(p_active.unsqueeze(-1) & drop, 0.0, probs)
+        keep_p = ~(p_active.unsqueeze(-1) & drop)
+        keep = keep_p if keep is None else keep & keep_p
+
+    m_active = m_cut > 0
+    if bool(m_active.any()):
+        keep_m = ~m_active.unsqueeze(-1) | (probs >= m_cut.unsqueeze(-1) * probs.amax(-1, keepdim=True))
+        keep = keep_m if keep is None else keep & keep_m
+
+    if keep is not None:
+        probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
 
     if bool(greedy.any()):
@@ -108,6 +147,7 @@ def sample(
     temperature: torch.Tensor | float,
     top_k: torch.Tensor | int = 0,
     top_p: torch.Tensor | float = 1.0,
+    min_p: torch.Tensor | float = 0.0,
 ) -> torch.Tensor:
     """AR sampling: logits [..., V] -> tokens [...]; greedy rows give the first argmax."""
-    return sample_from_probs(logits_to_probs(logits, temperature, top_k, top_p), seeds)
+    return sample_from_probs(logits_to_probs(logits, temperature, top_k, top_p, min_p), seeds)

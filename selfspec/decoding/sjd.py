@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding.ngram import SuffixIndex, match_sizes
-from selfspec.decoding.sampling import logits_to_probs, sample_from_probs
+from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
@@ -142,7 +142,7 @@ class SJDMode(Mode):
         distributions [B, R, V]. Row 0 is never reused (its position is verified)."""
         if ctx.all_greedy:
             return rows.argmax(-1), None
-        probs = logits_to_probs(rows, ctx.temperature, ctx.top_k, ctx.top_p)
+        probs = ctx.probs(rows)
         r = rows.shape[1]
         sampled = sample_from_probs(probs[:, 1:], ctx.seeds[:, self.depth + 1 : self.depth + r])
         return torch.cat([sampled[:, :1], sampled], dim=1), probs
@@ -185,8 +185,7 @@ class SJDMode(Mode):
         if not ctx.all_greedy:
             drafts = torch.tensor([st.drafts], dtype=torch.long, device=logits.device)
             plan.paths[0].probs = self._window_q([st], drafts, logits.shape[-1])[0]
-        res = verify_paths(logits, plan.paths, ctx.seeds[0], float(ctx.temperature[0]), int(ctx.top_k[0]),
-                           float(ctx.top_p[0]))
+        res = verify_paths(logits, plan.paths, ctx.seeds[0], **ctx.row(0))
         path = plan.paths[res.path]
         rows = path.rows + [path.end_row]  # rows[r] predicts the chain's position r + 1
         positions = rows[1:]  # step index of draft i

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.sampling import SamplingParams, logits_to_probs
 from selfspec.errors import UserError
 from selfspec.decoding.verify import REFERENCE_OPS, VerifyOps, VerifyResult
 
@@ -37,6 +37,17 @@ class DecodeSequence:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     state: Any = None
     state_owner: Any = None  # the mode object that made `state` (a planned mode switches owners)
+    prompt_len: int = -1  # history[:prompt_len] is the prompt (-1: all of the initial history)
+    stop_ids: frozenset[int] = frozenset()  # what min_new_tokens holds back
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.history)
+
+    @property
+    def output(self) -> list[int]:
+        """The tokens generated so far (the pending token included)."""
+        return self.history[self.prompt_len :]
 
     @property
     def pending(self) -> int:
@@ -108,6 +119,7 @@ class StepContext:
     temperature: torch.Tensor  # [B] float
     top_k: torch.Tensor  # [B] long
     top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
     seeds: torch.Tensor  # [B, Mode.seeds_per_step] long
     ops: VerifyOps = REFERENCE_OPS  # the verify implementations (chosen once by the engine)
 
@@ -121,7 +133,17 @@ class StepContext:
 
     def select(self, rows: torch.Tensor) -> StepContext:
         """The context of a subset of the batch's rows."""
-        return StepContext(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seeds[rows], self.ops)
+        return StepContext(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
+                           self.seeds[rows], self.ops)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The rows' sampling distributions: logits [B, ..., V] -> probs (`sampling.logits_to_probs`)."""
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+
+    def row(self, b: int) -> dict:
+        """Row b's settings as the scalar keywords of `tree_verify.verify_paths`."""
+        return dict(temperature=float(self.temperature[b]), top_k=int(self.top_k[b]), top_p=float(self.top_p[b]),
+                    min_p=float(self.min_p[b]))
 
     @staticmethod
     def from_params(params: list[SamplingParams], seeds: torch.Tensor, ops: VerifyOps = REFERENCE_OPS) -> StepContext:
@@ -130,6 +152,7 @@ class StepContext:
             torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
             torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
             seeds,
             ops,
         )
@@ -158,7 +181,7 @@ def verify_drafts(
     depth = drafts.shape[1]
     return ctx.ops.speculative(
         target_logits, drafts, num_drafts, ctx.seeds[:, : depth + 1],
-        ctx.temperature, ctx.top_k, ctx.top_p, tau, draft_probs,
+        ctx.temperature, ctx.top_k, ctx.top_p, tau, draft_probs, min_p=ctx.min_p,
     )
 
 

@@ -117,6 +117,7 @@ def verify_paths(
     top_k: int = 0,
     top_p: float = 1.0,
     tau: float = 0.0,
+    min_p: float = 0.0,
 ) -> PathResult:
     """logits [W, V] of one sequence's step; seeds [>= deepest path + 1] long."""
     alive = list(range(len(paths)))
@@ -144,7 +145,7 @@ def verify_paths(
                 continue
             return PathResult(_finished(paths, alive, depth), depth, token)
         row = logits[row_index]
-        residual = logits_to_probs(row, temperature, top_k, top_p)
+        residual = logits_to_probs(row, temperature, top_k, top_p, min_p)
         seed = seeds[depth]
         accepted = None
         for j, ((token, _), q) in enumerate(children.items()):
@@ -163,7 +164,7 @@ def verify_paths(
             alive, depth = _holding(paths, alive, depth, accepted), depth + 1
             continue
         if not residual.sum() > 0:  # only through rounding: p's mass sat on rejected children
-            residual = logits_to_probs(row, temperature, top_k, top_p)
+            residual = logits_to_probs(row, temperature, top_k, top_p, min_p)
         noise = rng.gumbel(seed, torch.arange(1, residual.shape[-1] + 1, device=residual.device))
         token = int((residual.log() + noise).argmax())
         return PathResult(_finished(paths, alive, depth), depth, token)

@@ -67,6 +67,7 @@ def speculative_verify_reference(
     top_p: torch.Tensor | float = 1.0,
     tau: torch.Tensor | float = 0.0,
     draft_probs: torch.Tensor | None = None,
+    min_p: torch.Tensor | float = 0.0,
 ) -> VerifyResult:
     """p/q speculative acceptance with relaxed threshold and residual resampling.
 
@@ -83,7 +84,7 @@ def speculative_verify_reference(
     temp, k, top = per_row(temperature, torch.float32), per_row(top_k, torch.long), per_row(top_p, torch.float32)
     tau_b = per_row(tau, torch.float32)
 
-    probs = logits_to_probs(target_logits, temp, k, top)  # [B, D+1, V]
+    probs = logits_to_probs(target_logits, temp, k, top, per_row(min_p, torch.float32))  # [B, D+1, V]
     p_draft = probs[:, :depth].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, D]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)

@@ -96,7 +96,7 @@ def generate_batch(
     dev = cache.device
     base = torch.tensor(seeds, dtype=torch.long, device=dev)
     counter = torch.zeros(n, dtype=torch.long, device=dev)
-    seqs = [DecodeSequence(list(p), sp) for p, sp in zip(prompts, params)]
+    seqs = [DecodeSequence(list(p), sp, stop_ids=frozenset(stops)) for p, sp in zip(prompts, params)]
 
     def record(step: int, rows: list[int], layouts, outcomes, logits) -> None:
         if token_logprobs is not None:

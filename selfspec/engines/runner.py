@@ -10,8 +10,9 @@ layouts, calls the runner, and hands the logits to `mode.finish`.
   tokens at their positions against the slot KV cache; a model that needs something else (a
   class-token prefix, paired conditional / unconditional rows for guidance) supplies its own.
 - `LogitsProcessor`s run in order between the forward and the mode's verify, on every row of
-  the step (guidance fusion, vocabulary restriction, penalties): whatever they return is what
-  acceptance, sampling and logprobs see. At prefill they see the last prompt row of each
+  the step (guidance fusion, vocabulary restriction): whatever they return is what acceptance,
+  sampling and logprobs see. Then each request's own rules (penalties, logit_bias,
+  min_new_tokens: `selfspec.decoding.logits_rules`, the one hook the SGLang worker calls too). At prefill they see the last prompt row of each
   sequence as a [B, 1, V] step whose `batch` is None.
 - The gated LoRA (RISD) is switched on at the rows the layout gates, through the model's one
   `LoRAGate` (`selfspec.kernels.lora_gate`).
@@ -24,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from selfspec.decoding.logits_rules import apply_logits_rules
 from selfspec.decoding.step import DecodeSequence, StepBatch
 from selfspec.engines.kv_cache import SlotKVCache, step_attention_mask
 from selfspec.kernels.lora_gate import gated, model_gate
@@ -69,4 +71,4 @@ class StepRunner:
     def process(self, logits: torch.Tensor, seqs: Sequence[DecodeSequence], batch: StepBatch | None) -> torch.Tensor:
         for processor in self.processors:
             logits = processor(logits, seqs, batch)
-        return logits
+        return apply_logits_rules(logits, seqs, batch)

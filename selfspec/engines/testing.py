@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from selfspec.decoding.logits_rules import apply_logits_rules
 from selfspec.decoding.sampling import SamplingParams, logits_to_probs
+from selfspec.decoding.step import DecodeSequence
 
 
 def tiny_qwen3(
@@ -97,7 +99,13 @@ def exact_distribution(model, prompt: list[int], steps: int, sampling: SamplingP
     ids = torch.tensor([list(prompt) + list(s) for s in seqs])
     logits = model(input_ids=ids).logits.float()
     start = len(prompt) - 1
-    probs = logits_to_probs(logits[:, start : start + steps], sampling.temperature, sampling.top_k, sampling.top_p)
+    rows = logits[:, start : start + steps]
+    if sampling.has_logits_rules:  # each position's rules see the path before it, as AR does
+        rows = torch.stack([
+            apply_logits_rules(rows[:, t : t + 1], [DecodeSequence(list(prompt) + list(s[:t]), sampling,
+                                                                   prompt_len=len(prompt)) for s in seqs], None)[:, 0]
+            for t in range(steps)], dim=1)
+    probs = logits_to_probs(rows, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
     toks = torch.tensor(seqs).unsqueeze(-1)
     joint = probs.gather(-1, toks).squeeze(-1).double().prod(-1)
     return {s: float(p) for s, p in zip(seqs, joint)}

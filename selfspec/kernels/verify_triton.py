@@ -33,10 +33,11 @@ Speculative (p/q) verify, four launches, no host synchronisation when top-k/top-
 Top-k / top-p: a clearly separated pre-pass (``_filter_thresholds``), run only when some row has
 temperature > 0 and ``0 < top_k < V`` or ``top_p < 1`` (it synchronises with the host once when
 the settings are tensors, like the reference). For the active sequences it reproduces the
-reference's filter with torch ops -- top-k: the k-th largest scaled logit (``torch.topk``), ties
-kept; top-p: the reference's softmax of the top-k-filtered row, sorted (``topk`` over the
-largest 1024 probabilities, a full sort only for rows whose kept mass is not reached there),
-``cumsum - p >= top_p`` drops -- and turns the kept set into one threshold per row *on the raw
+reference's filter with torch ops, each filter measured on the unfiltered softmax as SGLang's
+sampler does -- top-k: the k-th largest scaled logit (``torch.topk``), ties kept; top-p: the
+softmax sorted (``topk`` over the largest 1024 probabilities, a full sort only for rows whose
+kept mass is not reached there), ``cumsum - p > top_p`` drops; min-p: below min_p times the
+largest probability drops -- and turns the kept set into one threshold per row *on the raw
 logit*: keep v  <=>  logit(v) >= thr. That is exact because x -> x / T and softmax are monotone, so
 the reference's kept set is always an upper set of the logits. The streaming kernels then apply
 ``logit >= thr`` as a mask inside the online softmax (so S is the kept mass and p is already
@@ -559,23 +560,27 @@ def _check_out_tokens(out_tokens: torch.Tensor | None, rows: int, depth: int) ->
         raise ValueError("out_tokens must be int64 [B, D+1] with a unit last stride")
 
 
-def _filter_thresholds(logits: torch.Tensor, temp: torch.Tensor, top_k, top_p) -> torch.Tensor | None:
-    """Top-k / top-p pre-pass: per row (b, i) the smallest raw logit the filter keeps (-inf: no filter).
+def _filter_thresholds(logits: torch.Tensor, temp: torch.Tensor, top_k, top_p, min_p=0.0) -> torch.Tensor | None:
+    """Top-k / top-p / min-p pre-pass: per row (b, i) the smallest raw logit the filters keep
+    (-inf: no filter).
 
-    Mirrors `selfspec.decoding.sampling.logits_to_probs` (temperature, top-k with ties kept,
-    softmax, top-p drop where `cumsum - p >= top_p`) on the sequences where a filter is active.
+    Mirrors `selfspec.decoding.sampling.logits_to_probs` (temperature, softmax, then top-k with
+    ties kept, top-p drop where `cumsum - p > top_p`, min-p drop below min_p * max, all on the
+    unfiltered probabilities) on the sequences where a filter is active.
     None when no row is filtered (then the kernels skip the comparison altogether).
     """
     bsz, rows, vocab = logits.shape
-    if not isinstance(top_k, torch.Tensor) and not isinstance(top_p, torch.Tensor):
-        if not (0 < int(top_k) < vocab) and not (float(top_p) < 1.0):
+    if not any(isinstance(v, torch.Tensor) for v in (top_k, top_p, min_p)):
+        if not (0 < int(top_k) < vocab) and not (float(top_p) < 1.0) and not float(min_p) > 0:
             return None
     device = logits.device
     k = torch.as_tensor(top_k, dtype=torch.long, device=device).expand(bsz)
     p = torch.as_tensor(top_p, dtype=torch.float32, device=device).expand(bsz)
+    m = torch.as_tensor(min_p, dtype=torch.float32, device=device).expand(bsz)
     k_act = (temp > 0) & (k > 0) & (k < vocab)
     p_act = (temp > 0) & (p < 1.0)
-    seqs = (k_act | p_act).nonzero().squeeze(1)  # host sync (only when filters are requested)
+    m_act = (temp > 0) & (m > 0)
+    seqs = (k_act | p_act | m_act).nonzero().squeeze(1)  # host sync (only when filters are requested)
     if seqs.numel() == 0:
         return None
     x = logits[seqs].float()  # [A, T, V]
@@ -589,13 +594,15 @@ def _filter_thresholds(logits: torch.Tensor, temp: torch.Tensor, top_k, top_p) -
         kth = top.gather(-1, (kk - 1).view(-1, 1, 1).expand(-1, rows, 1))
         kth = torch.where(ka.view(-1, 1, 1), kth, torch.full_like(kth, float("-inf")))
         keep = scaled >= kth
-        scaled = torch.where(keep, scaled, torch.full_like(scaled, float("-inf")))
-    pa = p_act[seqs]
+    pa, ma = p_act[seqs], m_act[seqs]
+    probs = torch.softmax(scaled, dim=-1) if bool(pa.any() | ma.any()) else None
     if bool(pa.any()):
-        probs = torch.softmax(scaled, dim=-1)
         pc = p[seqs].view(-1, 1, 1)
         boundary = _top_p_boundary(probs, pc)
         keep = keep & ((probs >= boundary) | ~pa.view(-1, 1, 1))
+    if bool(ma.any()):
+        floor = m[seqs].view(-1, 1, 1) * probs.amax(-1, keepdim=True)
+        keep = keep & ((probs >= floor) | ~ma.view(-1, 1, 1))
     thr_active = torch.where(keep, x, torch.full_like(x, float("inf"))).amin(dim=-1)
     thr = torch.full((bsz, rows), float("-inf"), dtype=torch.float32, device=device)
     thr[seqs] = thr_active
@@ -608,7 +615,7 @@ def _top_p_boundary(probs: torch.Tensor, p_cut: torch.Tensor) -> torch.Tensor:
 
     def boundary(sorted_p, cut):
         mass_before = sorted_p.cumsum(-1) - sorted_p
-        n_keep = (mass_before < cut).long().cumprod(-1).sum(-1, keepdim=True).clamp(min=1)
+        n_keep = (mass_before <= cut).long().cumprod(-1).sum(-1, keepdim=True).clamp(min=1)
         return sorted_p.gather(-1, n_keep - 1), n_keep
 
     cand = min(vocab, TOPP_CANDIDATES)
@@ -645,6 +652,7 @@ def speculative_verify_triton(
     top_p: torch.Tensor | float = 1.0,
     tau: torch.Tensor | float = 0.0,
     draft_probs: torch.Tensor | None = None,
+    min_p: torch.Tensor | float = 0.0,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_tokens: torch.Tensor | None = None,
@@ -672,7 +680,7 @@ def speculative_verify_triton(
     seeds_l = seeds.to(device=device, dtype=torch.long)
     temp = _per_row(temperature, torch.float32, bsz, device)
     tau_b = _per_row(tau, torch.float32, bsz, device)
-    thr = _filter_thresholds(logits, temp, top_k, top_p)
+    thr = _filter_thresholds(logits, temp, top_k, top_p, min_p)
     has_q = draft_probs is not None
     q = _unit_last(draft_probs) if has_q else None
     _check_out_tokens(out_tokens, bsz, depth)

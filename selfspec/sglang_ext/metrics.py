@@ -72,10 +72,14 @@ class AggregateStats:
         self._gauges = None
         self._last_log = time.monotonic()
 
-    def finish(self, m: SequenceMetrics) -> None:
+    def finish(self, m: SequenceMetrics, kept_tokens: int | None = None) -> None:
+        """A finished request; `kept_tokens`: its output after SGLang's truncation (a step's run
+        past EOS / a stop / max_tokens is emitted but not kept, and must not count)."""
+        committed = m.committed_tokens if kept_tokens is None else min(kept_tokens, m.committed_tokens)
+        self.window_tokens = max(0, self.window_tokens - (m.committed_tokens - committed))
         self.num_finished += 1
         self.finished.forwards += m.forwards
-        self.finished.committed_tokens += m.committed_tokens
+        self.finished.committed_tokens += committed
         self.finished.query_tokens += m.query_tokens
         self.finished.accept_hist.update(m.accept_hist)
 
@@ -108,7 +112,8 @@ class AggregateStats:
                     "query tokens per committed token %.2f, step width %.1f, worker step %.1f ms", self.algorithm,
                     accept, LOG_EVERY, tpf, self.num_finished, overhead, self.window_width / max(1, LOG_EVERY),
                     1e3 * self.window_time / max(1, LOG_EVERY))
-        self._set_gauges(tpf if fin.forwards else accept, accept, overhead, self.window_width / max(1, LOG_EVERY))
+        # no TPF before a request has finished (it is a per-request quantity, not the accept length)
+        self._set_gauges(tpf, accept, overhead, self.window_width / max(1, LOG_EVERY))
         self.window_tokens = self.window_req_forwards = self.window_query = self.window_width = 0
         self.window_time = 0.0
 

@@ -2,10 +2,11 @@
 
 An AFTER hook on SGLang's `SamplingParams.verify` (run by the tokenizer manager on every
 request, whose ValueError becomes a 400 response) rejects, when the server runs a selfspec
-mode: sampling with JACOBI (greedy only: its guarantee is exactly greedy AR), and the sampling
-features the decoding core does not implement (repetition / frequency / presence penalties,
-min_p, logit_bias, min_new_tokens, grammar-constrained decoding); a BEFORE hook on the tokenizer
-manager's `_validate_one_request` refuses logprobs.
+mode: sampling with JACOBI (greedy only: its guarantee is exactly greedy AR), and what the
+decoding core does not implement (grammar-constrained decoding, watermarking, beam search); a
+BEFORE hook on the tokenizer manager's `_validate_one_request` refuses custom logit processors.
+Penalties, min_p, logit_bias and min_new_tokens are served (`selfspec.decoding.logits_rules`),
+and so are logprobs (`selfspec.sglang_ext.logprobs`).
 """
 
 from __future__ import annotations
@@ -31,16 +32,12 @@ def check_sampling_params(sp, algorithm: str) -> None:
         raise ValueError(f"{algorithm} decoding is greedy only (it reproduces greedy AR exactly): send temperature 0, "
                          f"or serve --speculative-algorithm {sampled} for sampling")
     unsupported = []
-    if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty not in (None, 1.0):
-        unsupported.append("frequency/presence/repetition penalties")
-    if sp.min_p:
-        unsupported.append("min_p")
-    if sp.logit_bias:
-        unsupported.append("logit_bias")
-    if sp.min_new_tokens:
-        unsupported.append("min_tokens / min_new_tokens")
     if sp.json_schema or sp.regex or sp.ebnf or sp.structural_tag:
         unsupported.append("constrained decoding (json_schema / regex / ebnf / structural_tag)")
+    if getattr(sp, "watermark", None):
+        unsupported.append("watermark")
+    if (getattr(sp, "beam_width", None) or 1) > 1:
+        unsupported.append("beam search (beam_width)")
     if unsupported:
         raise ValueError(f"{algorithm} (selfspec) does not support {', '.join(unsupported)}; remove them or use a "
                          "server without --speculative-algorithm")
@@ -48,8 +45,13 @@ def check_sampling_params(sp, algorithm: str) -> None:
 
 def _before_validate_one_request(self, obj, *args, **kwargs):
     algo = _algorithm()
-    if algo is not None and getattr(obj, "return_logprob", False):
-        raise ValueError(f"{algo} (selfspec) does not return logprobs; remove logprobs / return_logprob")
+    if algo is None:
+        return None
+    processors = getattr(obj, "custom_logit_processor", None)
+    if any(p is not None for p in (processors if isinstance(processors, list) else [processors])):
+        # the worker verifies several positions per forward; a processor written for one row per
+        # request would see the wrong rows, so it is refused rather than silently skipped
+        raise ValueError(f"{algo} (selfspec) does not run custom logit processors; remove custom_logit_processor")
     return None
 
 

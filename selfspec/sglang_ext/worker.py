@@ -44,6 +44,7 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from selfspec.decoding import seeds as seedmod
 from selfspec.decoding.ar import next_tokens as ar_next_tokens
+from selfspec.decoding.logits_rules import apply_logits_rules
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, collate
@@ -51,6 +52,7 @@ from selfspec.engines.kernel_choice import verify_ops
 from selfspec.kernels.lora_gate import gated
 from selfspec.sglang_ext import config as cfgmod
 from selfspec.sglang_ext import lora as loramod
+from selfspec.sglang_ext.logprobs import write_decode_logprobs, write_prefill_logprobs
 from selfspec.sglang_ext import metrics as metricsmod
 
 logger = logging.getLogger(__name__)
@@ -65,13 +67,35 @@ def sampling_from_req(req) -> SamplingParams:
     """SGLang's per-request sampling settings in the decoding core's terms (greedy: temperature 0).
     SGLang encodes greedy as top_k == 1 (temperature 0 is rewritten to temperature 1, top_k 1)."""
     sp = req.sampling_params
+    bias = tuple(sorted({int(k): float(v) for k, v in (sp.logit_bias or {}).items()}.items()))
+    rules = dict(frequency_penalty=float(sp.frequency_penalty or 0.0), presence_penalty=float(sp.presence_penalty or 0.0),
+                 repetition_penalty=float(sp.repetition_penalty if sp.repetition_penalty is not None else 1.0),
+                 logit_bias=bias, min_new_tokens=int(sp.min_new_tokens or 0))
     top_k = int(sp.top_k) if sp.top_k is not None else -1
     if top_k == 1 or sp.temperature is None or sp.temperature <= 0:
-        return SamplingParams()
+        return SamplingParams(**rules)
     if top_k < 0 or top_k >= _TOP_K_ALL:
         top_k = 0
     top_p = float(sp.top_p) if sp.top_p is not None else 1.0
-    return SamplingParams(temperature=float(sp.temperature), top_k=top_k, top_p=top_p)
+    return SamplingParams(temperature=float(sp.temperature), top_k=top_k, top_p=top_p,
+                          min_p=float(sp.min_p or 0.0), **rules)
+
+
+def stop_ids_from_req(req) -> frozenset[int]:
+    """The tokens min_new_tokens holds back: SGLang's set (`penaltylib/min_new_tokens.py`)."""
+    ids = set(req.sampling_params.stop_token_ids or ()) | set(getattr(req, "eos_token_ids", None) or ())
+    tok = getattr(req, "tokenizer", None)
+    if tok is not None:
+        ids |= set(getattr(tok, "additional_stop_token_ids", None) or ())
+        if getattr(tok, "eos_token_id", None) is not None:
+            ids.add(int(tok.eos_token_id))
+    return frozenset(int(t) for t in ids if t is not None)
+
+
+def sequence_from_req(req) -> DecodeSequence:
+    """A request's committed tokens (prompt + output so far) as a decoding-core sequence."""
+    return DecodeSequence(list(req.origin_input_ids) + list(req.output_ids), sampling_from_req(req),
+                          prompt_len=len(req.origin_input_ids), stop_ids=stop_ids_from_req(req))
 
 
 def base_seed_for(req) -> int:
@@ -169,7 +193,10 @@ class SelfSpecWorker(BaseSpecWorker):
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         st = self.states.pop(rid, None)
         if st is not None:
-            self.stats.finish(st.metrics)
+            # what SGLang keeps of the output (a step's run may pass EOS / a stop / max_tokens);
+            # the same count it reports as completion_tokens
+            kept = len(getattr(st.req, "output_ids_through_stop", st.req.output_ids)) if st.req is not None else None
+            self.stats.finish(st.metrics, kept)
 
     def _gc_states(self) -> None:
         for rid in [rid for rid, st in self.states.items() if st.req is not None and st.req.finished()]:
@@ -198,14 +225,14 @@ class SelfSpecWorker(BaseSpecWorker):
         bs = len(batch.reqs)
         with self._gate_off():
             result = self._target_worker.forward_batch_generation(batch, is_verify=True)
-        logits = result.logits_output.next_token_logits  # [bs, V]: last prompt position
-        states = []
-        for req in batch.reqs:
-            history = list(req.origin_input_ids) + list(req.output_ids)
-            st = RequestState(DecodeSequence(history, sampling_from_req(req)), base_seed_for(req), req=req)
-            states.append(st)
+        states = [self._fresh_state(req) for req in batch.reqs]
+        # [bs, V]: the last prompt position of each request
+        logits = apply_logits_rules(result.logits_output.next_token_logits.unsqueeze(1), [st.seq for st in states],
+                                    None)[:, 0]
         ctx = self._context(states, 1)
         tokens = ar_next_tokens(logits, ctx)
+        if batch.return_logprob:
+            write_prefill_logprobs(batch, result.logits_output, logits, tokens)
         for req, st, tok in zip(batch.reqs, states, tokens.tolist()):
             st.seq.history.append(int(tok))
             st.metrics.record_prefill(1)
@@ -220,11 +247,20 @@ class SelfSpecWorker(BaseSpecWorker):
             on_publish(new_seq_lens)
         return _batch_result(result, next_token_ids, accept_tokens.flatten(), accept_lens, new_seq_lens, self.width)
 
+    def _fresh_state(self, req) -> RequestState:
+        """The state of a request being prefilled. A retracted request comes back with its output
+        so far and is prefilled again: its seed counter carries on (a restart at 0 would reuse
+        the uniforms its earlier tokens used), and so do its metrics."""
+        st = RequestState(sequence_from_req(req), base_seed_for(req), req=req)
+        old = self.states.get(req.rid)
+        if old is not None and req.output_ids:
+            st.counter, st.metrics = old.counter, old.metrics
+        return st
+
     def _state_for(self, req) -> RequestState:
         st = self.states.get(req.rid)
         if st is None:  # e.g. state dropped by clear_cache_pool: rebuild from what SGLang holds
-            history = list(req.origin_input_ids) + list(req.output_ids)
-            st = RequestState(DecodeSequence(history, sampling_from_req(req)), base_seed_for(req), req=req)
+            st = RequestState(sequence_from_req(req), base_seed_for(req), req=req)
             self.mode.start(st.seq)
             self.states[req.rid] = st
         return st
@@ -263,11 +299,13 @@ class SelfSpecWorker(BaseSpecWorker):
         t1 = time.perf_counter()
         with gated(self.gate, step.gate):
             result = self._target_worker.forward_batch_generation(batch, is_verify=True)
-        logits = result.logits_output.next_token_logits.view(bs, W, -1)
+        logits = apply_logits_rules(result.logits_output.next_token_logits.view(bs, W, -1), seqs, step)
         t2 = time.perf_counter()
 
         ctx = self._context(states, self.mode.seeds_per_step)
         outcomes = self.mode.finish(seqs, step, logits, ctx)
+        if batch.return_logprob:
+            write_decode_logprobs(batch, result.logits_output, logits, outcomes, self.width)
 
         accept_lens_list = []
         emitted = torch.zeros(bs, self.width, dtype=torch.int64)  # the scheduler reads this stride
