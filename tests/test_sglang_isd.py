@@ -180,12 +180,17 @@ def test_aborted_stream_frees_kv_and_server_keeps_serving(client, server, heldou
     assert out["output_ids"] == ar_reference["output_ids"][9]
 
 
-def test_unsupported_request_gets_400(client):
-    with pytest.raises(openai.APIStatusError) as info:
-        client.completions.create(model="default", prompt="x = ", max_tokens=4, temperature=0,
-                                  extra_body={"regex": "[0-9]+"})
-    assert info.value.status_code == 400
-    assert "does not support" in str(info.value) and "constrained decoding" in str(info.value)
+def test_unsupported_request_gets_400(server, heldout_ids):
+    import urllib.error
+
+    from sglang_fixtures import post_json
+
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post_json(server.base_url, "/generate", {"input_ids": heldout_ids[0],
+                                                 "sampling_params": {"temperature": 0, "max_new_tokens": 4,
+                                                                     "beam_width": 2, "n": 2}})
+    assert info.value.code == 400
+    assert "beam" in info.value.read().decode()
 
 
 def test_custom_logit_processor_refused_with_400(server, heldout_ids):
@@ -247,3 +252,26 @@ def test_isd_logprobs_equal_ar(server, heldout_ids, ar_reference):
     from sglang_fixtures import check_logprobs_match_ar
 
     check_logprobs_match_ar(server.base_url, heldout_ids, ar_reference)
+
+
+def test_isd_mixed_greedy_and_sampled_burst(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_mixed_burst
+
+    check_mixed_burst(server.base_url, heldout_ids, ar_reference)
+
+
+@pytest.mark.parametrize("extra", [{}, {"frequency_penalty": 0.5, "min_p": 0.05}])
+def test_seeded_sampling_equals_the_reference_engine(server, heldout_ids, tiny_base_path, extra):
+    """A seeded sampled request served equals the HF engine's run of the same mode and seed."""
+    import torch
+
+    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.engines.hf import HFEngine
+
+    engine = HFEngine.from_pretrained(tiny_base_path, dtype=torch.float32)
+    sp = SamplingParams(0.8, top_k=30, top_p=0.9, **extra)
+    for i in (10, 11, 12):
+        ref = engine.generate([heldout_ids[i]], 24, sp, seed=[4321 + i], mode="isd", mode_config=ISD_OPTIONS)
+        got = native_generate(server.base_url, heldout_ids[i], 24, temperature=0.8, top_k=30, top_p=0.9,
+                              sampling_seed=4321 + i, **extra)
+        assert got["output_ids"] == ref[0].token_ids, i

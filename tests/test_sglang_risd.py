@@ -67,3 +67,9 @@ def test_risd_logprobs_equal_ar(server, heldout_ids, ar_reference):
     from sglang_fixtures import check_logprobs_match_ar
 
     check_logprobs_match_ar(server.base_url, heldout_ids, ar_reference)
+
+
+def test_risd_mixed_greedy_and_sampled_burst(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_mixed_burst
+
+    check_mixed_burst(server.base_url, heldout_ids, ar_reference)

@@ -53,3 +53,25 @@ def test_sjd_logprobs_equal_ar(server, heldout_ids, ar_reference):
     from sglang_fixtures import check_logprobs_match_ar
 
     check_logprobs_match_ar(server.base_url, heldout_ids, ar_reference)
+
+
+def test_sjd_mixed_greedy_and_sampled_burst(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_mixed_burst
+
+    check_mixed_burst(server.base_url, heldout_ids, ar_reference)
+
+
+def test_seeded_sampling_equals_the_reference_engine(server, heldout_ids, tiny_base_path):
+    import torch
+
+    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.engines.hf import HFEngine
+
+    engine = HFEngine.from_pretrained(tiny_base_path, dtype=torch.float32)
+    opts = {"window": 4, "history_offset": 8, "context_tokens": 4}
+    for i in (10, 11, 12):
+        ref = engine.generate([heldout_ids[i]], 24, SamplingParams(0.8, top_k=30, top_p=0.9), seed=[99 + i],
+                              mode="sjd", mode_config=opts)
+        got = native_generate(server.base_url, heldout_ids[i], 24, temperature=0.8, top_k=30, top_p=0.9,
+                              sampling_seed=99 + i)
+        assert got["output_ids"] == ref[0].token_ids, i

@@ -188,8 +188,7 @@ def test_request_checks():
     # served exactly now (logits_rules): no refusal
     check_sampling_params(sp(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5, min_p=0.1,
                              logit_bias={"3": -5.0}, min_new_tokens=4), "ISD")
-    with pytest.raises(ValueError, match="constrained decoding"):
-        check_sampling_params(sp(regex="a+"), "RISD")
+    check_sampling_params(sp(regex="a+"), "RISD")  # grammars are served (sglang_ext/grammar.py)
     with pytest.raises(ValueError, match="beam search"):
         check_sampling_params(sp(beam_width=4), "SJD")
     with pytest.raises(ValueError, match="watermark"):
@@ -223,3 +222,25 @@ def test_sampling_from_sglang_params():
     assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.7, 0, 0.9, 0.1)
     assert base_seed_for(sampled) == 5
     assert base_seed_for(greedy) == base_seed_for(greedy)  # derived from the id: same on every TP rank
+
+
+def test_retracted_request_keeps_its_seed_counter():
+    """Re-prefill after retraction: the counter (and metrics) carry on; a chunked first prefill
+    (no output yet) starts at 0, so its first token's draw does not depend on the chunking."""
+    from types import SimpleNamespace
+
+    from selfspec.sglang_ext.worker import RequestState, SelfSpecWorker
+
+    sp = SimpleNamespace(top_k=1, temperature=1.0, top_p=1.0, sampling_seed=3, frequency_penalty=0.0,
+                         presence_penalty=0.0, repetition_penalty=1.0, min_p=0.0, logit_bias=None,
+                         min_new_tokens=0, stop_token_ids=None, json_schema=None, regex=None, ebnf=None,
+                         structural_tag=None)
+    worker = object.__new__(SelfSpecWorker)
+    worker.cfg = SimpleNamespace(mask_token_id=None)
+    req = SimpleNamespace(rid="r", sampling_params=sp, origin_input_ids=[1, 2, 3], output_ids=[], eos_token_ids=None,
+                          tokenizer=None)
+    worker.states = {"r": RequestState(None, 3, counter=17)}
+    assert worker._fresh_state(req).counter == 0  # a prefill chunk: nothing generated yet
+    req.output_ids = [4, 5]
+    st = worker._fresh_state(req)
+    assert st.counter == 17 and st.seq.history == [1, 2, 3, 4, 5] and st.seq.output == [4, 5]

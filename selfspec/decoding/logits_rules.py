@@ -16,17 +16,86 @@ Semantics are SGLang 0.5.23's penalizers (`sampling/penaltylib/`) as its schedul
 (not the prompt); frequency subtracts penalty × count; presence subtracts the penalty once a
 token has appeared; min_new_tokens adds -inf to the stop tokens while the output is shorter;
 these additive terms first, then repetition (logit / r where the logit is positive, × r where
-negative, for tokens that have appeared); then the grammar mask (not built yet); then logit_bias
-is added.
+negative, for tokens that have appeared); then the grammar mask (-inf outside the tokens the
+sequence's `TokenConstraint` allows after the row's path); then logit_bias is added.
+
+A row whose path the constraint cannot follow (a draft the grammar rejects) is left unmasked:
+its parent row masks that draft to -inf, so verification rejects it and the row decides
+nothing. ISD's `[MASK]` rows are not paths of real tokens either; their proposals are checked
+when they are verified, like any draft.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from selfspec.decoding.step import DecodeSequence, StepBatch
+
+
+class TokenConstraint(Protocol):
+    """Grammar-constrained decoding as the rules see it (SGLang's grammar objects are adapted to
+    it in `selfspec.sglang_ext.grammar`). The constraint's state is the committed output."""
+
+    def allowed(self, path: Sequence[int], vocab: int) -> torch.Tensor | None:
+        """Bool [vocab]: the tokens allowed after the committed output followed by `path`
+        (the state is left as it was); None when `path` cannot be followed."""
+        ...
+
+
+def bitmask_to_bool(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 [ceil(V / 32)] bitmask (bit j of word w: token 32w + j allowed; xgrammar's layout)
+    -> bool [V]."""
+    bits = (words.to(torch.int64).unsqueeze(-1) >> torch.arange(32, device=words.device)) & 1
+    return bits.flatten()[:vocab].bool()
+
+
+class GrammarWalk:
+    """A `TokenConstraint` over a grammar object with SGLang's `BaseGrammarObject` methods
+    (accept_token raising ValueError on a rejected token, rollback(k), is_terminated(),
+    allocate_vocab_mask(V, 1, device), fill_vocab_mask(mask, 0)), whose state is the committed
+    output. A row's mask: walk the row's path on it, fill the next-token bitmask, roll the walk
+    back. `get_grammar` is read at every call (SGLang's scheduler owns and advances the object);
+    paths holding `skip_token` (ISD's [MASK]) are not followed."""
+
+    def __init__(self, get_grammar, skip_token: int | None = None):
+        self.get_grammar = get_grammar
+        self.skip_token = skip_token
+        self._bitmask = None
+
+    def allowed(self, path: Sequence[int], vocab: int) -> torch.Tensor | None:
+        grammar = self.get_grammar()
+        if grammar is None or (self.skip_token is not None and self.skip_token in path):
+            return None
+        walked = 0
+        try:
+            if grammar.is_terminated():  # the sequence ends here (its engine stops it)
+                return None
+            for token in path:
+                grammar.accept_token(int(token))
+                walked += 1
+                if grammar.is_terminated():  # the path ends the sequence: nothing follows it
+                    return None
+            if self._bitmask is None or self._bitmask.shape[-1] * 32 < vocab:
+                self._bitmask = grammar.allocate_vocab_mask(vocab, 1, "cpu")
+            grammar.fill_vocab_mask(self._bitmask, 0)
+            return bitmask_to_bool(self._bitmask[0], vocab)
+        except ValueError:  # a draft the grammar rejects: this row decides nothing
+            return None
+        finally:
+            if walked:
+                grammar.rollback(walked)
+
+
+def _row_paths(batch: StepBatch | None, b: int, rows: int) -> list[list[int]]:
+    """Each query row's ancestor tokens in the step (the pending token excluded), in order."""
+    if batch is None:
+        return [[] for _ in range(rows)]
+    sees = batch.local[b, :rows, 1:].cpu()
+    tokens = batch.tokens[b, 1:].tolist()
+    return [[tokens[j] for j in sees[i].nonzero().flatten().tolist()] for i in range(rows)]
 
 
 def _ancestor_counts(batch: StepBatch | None, b: int, rows: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +111,7 @@ def apply_logits_rules(logits: torch.Tensor, seqs: Sequence[DecodeSequence], bat
     """logits [B, W, V] of a step (or [B, 1, V] at prefill, batch None) -> the rows with each
     sequence's rules applied; sequences without rules are left untouched (no copy is made when
     no sequence has any)."""
-    active = [b for b, s in enumerate(seqs) if s.sampling.has_logits_rules]
+    active = [b for b, s in enumerate(seqs) if s.sampling.has_logits_rules or s.constraint is not None]
     if not active:
         return logits
     logits = logits.clone()
@@ -69,6 +138,11 @@ def apply_logits_rules(logits: torch.Tensor, seqs: Sequence[DecodeSequence], bat
             r = sp.repetition_penalty
             scaled = torch.where(row < 0, row * r, row / r)
             row = torch.where(counts > 0, scaled, row)
+        if seq.constraint is not None:
+            for i, path in enumerate(_row_paths(batch, b, rows)):
+                allowed = seq.constraint.allowed(path, vocab)
+                if allowed is not None:
+                    row[i] = torch.where(allowed.to(dev), row[i], float("-inf"))
         if sp.logit_bias:
             ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long, device=dev)
             vals = torch.tensor([v for _, v in sp.logit_bias], dtype=torch.float32, device=dev)

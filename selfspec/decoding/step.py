@@ -39,6 +39,7 @@ class DecodeSequence:
     state_owner: Any = None  # the mode object that made `state` (a planned mode switches owners)
     prompt_len: int = -1  # history[:prompt_len] is the prompt (-1: all of the initial history)
     stop_ids: frozenset[int] = frozenset()  # what min_new_tokens holds back
+    constraint: Any = None  # a `logits_rules.TokenConstraint` (grammar), or None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding.ar import next_tokens
+from selfspec.decoding.logits_rules import GrammarWalk
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.decoding.progress import SequenceProgress
 from selfspec.decoding.sampling import SamplingParams
@@ -86,6 +87,8 @@ def generate_batch(
     ops: VerifyOps,
     callbacks: Sequence[StepCallback] = (),
     logprobs: bool = False,
+    grammars: Sequence | None = None,
+    mask_token: int | None = None,
 ) -> list[GenerationOutput]:
     n = len(prompts)
     progress = [SequenceProgress(max_new_tokens, stops) for _ in range(n)]
@@ -96,7 +99,21 @@ def generate_batch(
     dev = cache.device
     base = torch.tensor(seeds, dtype=torch.long, device=dev)
     counter = torch.zeros(n, dtype=torch.long, device=dev)
-    seqs = [DecodeSequence(list(p), sp, stop_ids=frozenset(stops)) for p, sp in zip(prompts, params)]
+    grammars = list(grammars) if grammars is not None else [None] * n
+    seqs = [DecodeSequence(list(p), sp, stop_ids=frozenset(stops),
+                           constraint=GrammarWalk(lambda g=g: g, mask_token) if g is not None else None)
+            for p, sp, g in zip(prompts, params, grammars)]
+
+    def commit(i: int, tokens: list[int]) -> int:
+        """Emit tokens through the stop conditions; a grammar that terminates ends the sequence
+        there, as SGLang's scheduler does (nothing after the terminating token is emitted)."""
+        g = grammars[i]
+        if g is not None:
+            tokens = tokens[: g.commit(tokens)]
+        appended = progress[i].commit(tokens)
+        if g is not None and g.is_terminated() and not progress[i].finished:
+            progress[i].finish_reason = "stop"
+        return appended
 
     def record(step: int, rows: list[int], layouts, outcomes, logits) -> None:
         if token_logprobs is not None:
@@ -119,7 +136,7 @@ def generate_batch(
     cache.commit([list(range(len(p))) for p in prompts])
     outcomes = []
     for i, tok in enumerate(first.tolist()):
-        metrics[i].record_prefill(progress[i].commit([tok]))
+        metrics[i].record_prefill(commit(i, [tok]))
         seqs[i].history.append(tok)
         outcomes.append(StepOutcome([tok], [0], 0))
     record(0, list(range(n)), layouts, outcomes, logits)
@@ -144,7 +161,7 @@ def generate_batch(
         for i, lay, out in zip(active, layouts, outcomes):
             if len(out.keep) != len(out.emit):
                 raise AssertionError(f"{mode.name}: keep {out.keep} does not match emit {out.emit}")
-            metrics[i].record_step(len(lay), progress[i].commit(out.emit))
+            metrics[i].record_step(len(lay), commit(i, out.emit))
             seqs[i].history.extend(out.emit)
             keeps.append(out.keep)
         cache.commit(keeps)

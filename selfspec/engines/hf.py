@@ -187,9 +187,11 @@ class HFEngine:
         callbacks: Sequence[StepCallback] = (),
         logprobs: bool = False,
         plan: Any = None,
+        grammars: Sequence | None = None,
     ) -> list[GenerationOutput]:
         """`callbacks` see every step (`generate.StepEvent`); `logprobs=True` fills each output's
-        per-token log-probabilities (see `engines/generate.py`); `plan`: see `build_mode`."""
+        per-token log-probabilities (see `engines/generate.py`); `plan`: see `build_mode`;
+        `grammars`: per prompt an `engines.grammar.XGrammar` (or None), fresh for this call."""
         prompts = [list(map(int, p)) for p in prompt_ids]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -197,6 +199,8 @@ class HFEngine:
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        if grammars is not None and len(grammars) != n:
+            raise ValueError(f"got {len(grammars)} grammars for {n} prompts")
         seeds = base_seeds(seed, n)
         stops = normalize_stop_ids(self.default_stop_ids() if stop_token_ids is None else stop_token_ids)
         mode_obj = self.build_mode(mode, mode_config, plan)
@@ -211,7 +215,8 @@ class HFEngine:
                 capacity = max(map(len, batch_prompts)) + max_new_tokens + mode_obj.max_width + 8
                 cache = SlotKVCache(self.num_layers, len(batch_prompts), capacity, self.device, self.dtype)
                 outs.extend(generate_batch(self.runner, mode_obj, batch_prompts, params[sl], seeds[sl], stops,
-                                           max_new_tokens, cache, self.verify_ops, callbacks, logprobs))
+                                           max_new_tokens, cache, self.verify_ops, callbacks, logprobs,
+                                           grammars[sl] if grammars is not None else None, self.mask_token_id))
         return outs
 
     # ------------------------------------------------------------------ conveniences

@@ -3,10 +3,11 @@
 An AFTER hook on SGLang's `SamplingParams.verify` (run by the tokenizer manager on every
 request, whose ValueError becomes a 400 response) rejects, when the server runs a selfspec
 mode: sampling with JACOBI (greedy only: its guarantee is exactly greedy AR), and what the
-decoding core does not implement (grammar-constrained decoding, watermarking, beam search); a
+decoding core does not implement (watermarking, beam search); a
 BEFORE hook on the tokenizer manager's `_validate_one_request` refuses custom logit processors.
-Penalties, min_p, logit_bias and min_new_tokens are served (`selfspec.decoding.logits_rules`),
-and so are logprobs (`selfspec.sglang_ext.logprobs`).
+Penalties, min_p, logit_bias, min_new_tokens and grammars are served
+(`selfspec.decoding.logits_rules`, `selfspec.sglang_ext.grammar`), and so are logprobs
+(`selfspec.sglang_ext.logprobs`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ def check_sampling_params(sp, algorithm: str) -> None:
         raise ValueError(f"{algorithm} decoding is greedy only (it reproduces greedy AR exactly): send temperature 0, "
                          f"or serve --speculative-algorithm {sampled} for sampling")
     unsupported = []
-    if sp.json_schema or sp.regex or sp.ebnf or sp.structural_tag:
-        unsupported.append("constrained decoding (json_schema / regex / ebnf / structural_tag)")
     if getattr(sp, "watermark", None):
         unsupported.append("watermark")
     if (getattr(sp, "beam_width", None) or 1) > 1:

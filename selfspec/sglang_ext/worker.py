@@ -52,6 +52,7 @@ from selfspec.engines.kernel_choice import verify_ops
 from selfspec.kernels.lora_gate import gated
 from selfspec.sglang_ext import config as cfgmod
 from selfspec.sglang_ext import lora as loramod
+from selfspec.sglang_ext.grammar import request_constraint
 from selfspec.sglang_ext.logprobs import write_decode_logprobs, write_prefill_logprobs
 from selfspec.sglang_ext import metrics as metricsmod
 
@@ -92,10 +93,14 @@ def stop_ids_from_req(req) -> frozenset[int]:
     return frozenset(int(t) for t in ids if t is not None)
 
 
-def sequence_from_req(req) -> DecodeSequence:
-    """A request's committed tokens (prompt + output so far) as a decoding-core sequence."""
+def sequence_from_req(req, mask_token_id: int | None = None) -> DecodeSequence:
+    """A request's committed tokens (prompt + output so far) as a decoding-core sequence, with
+    its grammar as the sequence's constraint when it has one."""
+    sp = req.sampling_params
+    constrained = any(getattr(sp, k, None) for k in ("json_schema", "regex", "ebnf", "structural_tag"))
     return DecodeSequence(list(req.origin_input_ids) + list(req.output_ids), sampling_from_req(req),
-                          prompt_len=len(req.origin_input_ids), stop_ids=stop_ids_from_req(req))
+                          prompt_len=len(req.origin_input_ids), stop_ids=stop_ids_from_req(req),
+                          constraint=request_constraint(req, mask_token_id) if constrained else None)
 
 
 def base_seed_for(req) -> int:
@@ -251,7 +256,7 @@ class SelfSpecWorker(BaseSpecWorker):
         """The state of a request being prefilled. A retracted request comes back with its output
         so far and is prefilled again: its seed counter carries on (a restart at 0 would reuse
         the uniforms its earlier tokens used), and so do its metrics."""
-        st = RequestState(sequence_from_req(req), base_seed_for(req), req=req)
+        st = RequestState(sequence_from_req(req, self.cfg.mask_token_id), base_seed_for(req), req=req)
         old = self.states.get(req.rid)
         if old is not None and req.output_ids:
             st.counter, st.metrics = old.counter, old.metrics
@@ -260,7 +265,7 @@ class SelfSpecWorker(BaseSpecWorker):
     def _state_for(self, req) -> RequestState:
         st = self.states.get(req.rid)
         if st is None:  # e.g. state dropped by clear_cache_pool: rebuild from what SGLang holds
-            st = RequestState(sequence_from_req(req), base_seed_for(req), req=req)
+            st = RequestState(sequence_from_req(req, self.cfg.mask_token_id), base_seed_for(req), req=req)
             self.mode.start(st.seq)
             self.states[req.rid] = st
         return st
