@@ -36,7 +36,8 @@ TEST_ENV = {"OMP_NUM_THREADS": os.environ.get("SELFSPEC_TEST_OMP_THREADS", "1")}
 
 
 def server_args(*extra: str) -> list[str]:
-    return ["--dtype", TEST_DTYPE, "--mem-fraction-static", "0.5", "--max-running-requests", "32", *extra]
+    return ["--dtype", TEST_DTYPE, "--mem-fraction-static", "0.5", "--max-running-requests", "32",
+            "--enable-custom-logit-processor", *extra]
 
 
 def start_server(tmp_path_factory, name: str, extra_args: list[str], model: str | Path = "tiny-base",
@@ -179,12 +180,31 @@ def rule_requests(plain_outputs: list[list[int]]) -> list[tuple[int, dict]]:
                                         "properties": {"name": {"type": "string"}, "size": {"type": "integer"}}})}),
         (8, {"ebnf": 'root ::= "x = " [0-9]+ ("," [0-9]+)* "\\n"'}),
         (9, {"regex": r"[a-z_]+ = [0-9]+", "frequency_penalty": 0.5}),
+        # a custom logit processor (SGLang's own DisallowedTokensLogitsProcessor)
+        (10, {"custom_params": {"token_ids": [plain_outputs[10][1], plain_outputs[10][3]]},
+              CUSTOM_PROCESSOR: "disallow"}),
     ]
+
+
+CUSTOM_PROCESSOR = "_custom_logit_processor"  # request key: a processor of the request (top level)
+
+
+def _processor(name: str) -> str:
+    from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
+
+    return {"disallow": DisallowedTokensLogitsProcessor}[name].to_str()
 
 
 def rule_outputs(base_url: str, heldout_ids: list[list[int]], requests: list[tuple[int, dict]],
                  concurrent: bool) -> list[list[int]]:
-    fn = lambda r: native_generate(base_url, heldout_ids[r[0]], **r[1])["output_ids"]  # noqa: E731
+    def fn(r):
+        params = dict(r[1])
+        processor = params.pop(CUSTOM_PROCESSOR, None)
+        body = {"input_ids": heldout_ids[r[0]], "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW,
+                                                                     **params}}
+        if processor is not None:
+            body["custom_logit_processor"] = _processor(processor)
+        return post_json(base_url, "/generate", body)["output_ids"]
     return burst(fn, requests, len(requests)) if concurrent else [one_alone(base_url, fn, r) for r in requests]
 
 

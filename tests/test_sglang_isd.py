@@ -193,18 +193,6 @@ def test_unsupported_request_gets_400(server, heldout_ids):
     assert "beam" in info.value.read().decode()
 
 
-def test_custom_logit_processor_refused_with_400(server, heldout_ids):
-    import urllib.error
-
-    from sglang_fixtures import post_json
-
-    with pytest.raises(urllib.error.HTTPError) as info:
-        post_json(server.base_url, "/generate", {"input_ids": heldout_ids[0], "custom_logit_processor": "{}",
-                                                 "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
-    assert info.value.code == 400
-    assert "custom logit processors" in info.value.read().decode()
-
-
 def test_logprobs_through_the_openai_client_streaming_included(client, heldout_ids, ar_reference):
     want = ar_reference["logprobs"][0]
     kw = dict(model="default", prompt=heldout_ids[0], max_tokens=16, temperature=0, logprobs=3)

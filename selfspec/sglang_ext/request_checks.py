@@ -2,12 +2,10 @@
 
 An AFTER hook on SGLang's `SamplingParams.verify` (run by the tokenizer manager on every
 request, whose ValueError becomes a 400 response) rejects, when the server runs a selfspec
-mode: sampling with JACOBI (greedy only: its guarantee is exactly greedy AR), and what the
-decoding core does not implement (watermarking, beam search); a
-BEFORE hook on the tokenizer manager's `_validate_one_request` refuses custom logit processors.
-Penalties, min_p, logit_bias, min_new_tokens and grammars are served
-(`selfspec.decoding.logits_rules`, `selfspec.sglang_ext.grammar`), and so are logprobs
-(`selfspec.sglang_ext.logprobs`).
+mode: sampling with JACOBI (greedy only: its guarantee is exactly greedy AR), watermarking and
+beam search. Everything else a plain server takes is served: penalties, min_p, logit_bias,
+min_new_tokens and grammars (`selfspec.decoding.logits_rules`, `selfspec.sglang_ext.grammar`),
+logprobs (`selfspec.sglang_ext.logprobs`) and custom logit processors (the worker).
 """
 
 from __future__ import annotations
@@ -42,18 +40,6 @@ def check_sampling_params(sp, algorithm: str) -> None:
                          "server without --speculative-algorithm")
 
 
-def _before_validate_one_request(self, obj, *args, **kwargs):
-    algo = _algorithm()
-    if algo is None:
-        return None
-    processors = getattr(obj, "custom_logit_processor", None)
-    if any(p is not None for p in (processors if isinstance(processors, list) else [processors])):
-        # the worker verifies several positions per forward; a processor written for one row per
-        # request would see the wrong rows, so it is refused rather than silently skipped
-        raise ValueError(f"{algo} (selfspec) does not run custom logit processors; remove custom_logit_processor")
-    return None
-
-
 def _after_verify(result, self, *args, **kwargs):
     algo = _algorithm()
     if algo is not None:
@@ -65,5 +51,3 @@ def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.sampling.sampling_params.SamplingParams.verify", _after_verify, HookType.AFTER)
-    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
-                          _before_validate_one_request, HookType.BEFORE)

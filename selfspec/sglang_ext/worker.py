@@ -234,6 +234,7 @@ class SelfSpecWorker(BaseSpecWorker):
         # [bs, V]: the last prompt position of each request
         logits = apply_logits_rules(result.logits_output.next_token_logits.unsqueeze(1), [st.seq for st in states],
                                     None)[:, 0]
+        logits = _custom_processors(batch, logits, 1)
         ctx = self._context(states, 1)
         tokens = ar_next_tokens(logits, ctx)
         if batch.return_logprob:
@@ -305,6 +306,7 @@ class SelfSpecWorker(BaseSpecWorker):
         with gated(self.gate, step.gate):
             result = self._target_worker.forward_batch_generation(batch, is_verify=True)
         logits = apply_logits_rules(result.logits_output.next_token_logits.view(bs, W, -1), seqs, step)
+        logits = _custom_processors(batch, logits.reshape(bs * W, -1), W).view(bs, W, -1)
         t2 = time.perf_counter()
 
         ctx = self._context(states, self.mode.seeds_per_step)
@@ -369,6 +371,23 @@ class SelfSpecWorker(BaseSpecWorker):
             return
         for buf in list(pool.k_buffer) + list(pool.v_buffer):
             buf[tgt] = buf[src]
+
+
+def _custom_processors(batch, logits: torch.Tensor, rows_per_request: int) -> torch.Tensor:
+    """Requests' custom logit processors on every row of the step, after the logits rules: what
+    SGLang's own speculative verifiers do (`apply_custom_logit_processor(...,
+    num_tokens_in_batch)`, as in `speculative/dflash_utils.py`). A processor sees each row with
+    its request's custom_params, so one that bans or biases tokens is exact; one that reads the
+    request's output (a thinking budget) sees the committed output at every row, SGLang's own
+    approximation in speculative decoding."""
+    info = batch.sampling_info
+    if info is None or not info.has_custom_logit_processor:
+        return logits
+    from sglang.srt.layers.sampler import apply_custom_logit_processor
+
+    logits = logits.contiguous()
+    apply_custom_logit_processor(logits, info, num_tokens_in_batch=rows_per_request)
+    return logits
 
 
 def _batch_result(result, next_token_ids, accept_tokens, accept_lens, new_seq_lens, width: int):
