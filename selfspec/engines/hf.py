@@ -199,6 +199,10 @@ class HFEngine:
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        bad = sorted({t for p in params for t, _ in p.logit_bias if not 0 <= t < vocab})
+        if bad:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {bad}")
         if grammars is not None and len(grammars) != n:
             raise ValueError(f"got {len(grammars)} grammars for {n} prompts")
         seeds = base_seeds(seed, n)
