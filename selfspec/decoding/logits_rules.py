@@ -119,22 +119,23 @@ def apply_logits_rules(logits: torch.Tensor, seqs: Sequence[DecodeSequence], bat
     dev = logits.device
     for b in active:
         sp, seq = seqs[b].sampling, seqs[b]
-        out = torch.tensor(seq.output, dtype=torch.long, device=dev)
-        committed = torch.bincount(out, minlength=vocab)[:vocab].float() if out.numel() else torch.zeros(vocab, device=dev)
-        anc, depth = _ancestor_counts(batch, b, rows, vocab, dev)
-        counts = committed.unsqueeze(0) + anc  # [W, V]
         row = logits[b].float()
-        additive = torch.zeros_like(row)
-        if sp.frequency_penalty:
-            additive -= sp.frequency_penalty * counts
-        if sp.presence_penalty:
-            additive -= sp.presence_penalty * (counts > 0).float()
+        counted = bool(sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0)
+        if counted or sp.min_new_tokens:  # a grammar-only request skips the counting
+            anc, depth = _ancestor_counts(batch, b, rows, vocab, dev)
+        if counted:
+            out = torch.tensor(seq.output, dtype=torch.long, device=dev)
+            committed = torch.bincount(out, minlength=vocab)[:vocab].float() if out.numel() else torch.zeros(vocab, device=dev)
+            counts = committed.unsqueeze(0) + anc  # [W, V]
+            if sp.frequency_penalty:
+                row = row - sp.frequency_penalty * counts
+            if sp.presence_penalty:
+                row = row - sp.presence_penalty * (counts > 0).float()
         if sp.min_new_tokens and seq.stop_ids:
             short = (len(seq.output) + depth) < sp.min_new_tokens  # [W]
             stops = torch.tensor(sorted(t for t in seq.stop_ids if 0 <= t < vocab), dtype=torch.long, device=dev)
-            additive[:, stops] += torch.where(short.unsqueeze(-1), float("-inf"), 0.0)
-        row = row + additive
-        if sp.repetition_penalty != 1.0:
+            row[:, stops] += torch.where(short.unsqueeze(-1), float("-inf"), 0.0)
+        if sp.repetition_penalty != 1.0:  # scaling after every additive term, as SGLang orders them
             r = sp.repetition_penalty
             scaled = torch.where(row < 0, row * r, row / r)
             row = torch.where(counts > 0, scaled, row)
