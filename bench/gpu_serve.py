@@ -3,6 +3,7 @@
 
     python bench/gpu_serve.py [--model tiny-base] [--modes ar,ngram,isd,risd,jacobi,sjd]
                               [--prompts 16] [--max-new-tokens 64] [--dtype bfloat16] [--json OUT.json]
+                              [--tp-size 2] [--dp-size 2]   # on a machine with that many GPUs
 
 For each mode it launches stock SGLang (`python -m sglang.launch_server`) with CUDA graphs on
 (SGLang's default on CUDA; the fixed-width TARGET_VERIFY forward of every selfspec mode is
@@ -209,6 +210,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention-backend", default=None, help="default: SGLang's choice for the GPU")
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor parallelism of every server (needs that many GPUs)")
+    ap.add_argument("--dp-size", type=int, default=1, help="data parallelism of every server (needs that many GPUs)")
     ap.add_argument("--tie-margin", type=float, default=0.05)
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--out-dir", default=os.environ.get("OUT") or None)
@@ -255,6 +258,8 @@ def main() -> int:
                    "--skip-server-warmup"]
     if args.attention_backend:
         common += ["--attention-backend", args.attention_backend]
+    if args.tp_size > 1 or args.dp_size > 1:  # every mode, RISD's sharded adapter included
+        common += ["--tp-size", str(args.tp_size), "--dp-size", str(args.dp_size)]
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "ar" not in modes:

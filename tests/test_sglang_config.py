@@ -221,10 +221,14 @@ def test_real_server_fails_fast_with_message(tiny_base_path):
     assert "Uvicorn running" not in out
 
 
-def test_risd_with_tensor_parallelism_refused(tiny_base_path, good_adapter):
-    msg = _fails(tiny_base_path, "--speculative-algorithm", "RISD", "--selfspec-lora", str(good_adapter),
-                 "--tp-size", "2")
-    assert "--tp-size 1" in msg
+def test_parallel_settings_are_accepted_for_every_mode(tiny_base_path, good_adapter, monkeypatch):
+    """Tensor and data parallelism pass the start-up checks in every mode, RISD included (served
+    and compared in tests/test_sglang_parallel.py); only DP attention and PP are refused."""
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")  # the binding is tested on its own
+    for algo in ("ISD", "RISD", "JACOBI", "SJD"):
+        extra = ["--selfspec-lora", str(good_adapter)] if algo == "RISD" else []
+        for par in (["--tp-size", "2"], ["--dp-size", "2"]):
+            resolve_in_process(_argv(tiny_base_path, "--speculative-algorithm", algo, *extra, *par))
 
 
 @pytest.mark.server

@@ -244,3 +244,87 @@ def test_retracted_request_keeps_its_seed_counter():
     req.output_ids = [4, 5]
     st = worker._fresh_state(req)
     assert st.counter == 17 and st.seq.history == [1, 2, 3, 4, 5] and st.seq.output == [4, 5]
+
+
+# ------------------------------------------------------------------------------ tensor parallelism
+def _tp_delta(x, a, b):
+    return x @ a.T @ b.T
+
+
+def test_column_parallel_lora_shards_give_each_rank_its_output_slice():
+    """Fused q/k/v (tp 4, 2 KV heads: each KV head on two ranks) and gate/up: per rank, the
+    sharded LoRA's delta is the full delta's rows of that rank's output shard."""
+    from selfspec.sglang_ext.lora import LayerShard, shard_lora
+
+    torch.manual_seed(0)
+    head, q_heads, kv_heads, tp, r, width = 4, 8, 2, 4, 6, 16
+    parts = [q_heads * head, kv_heads * head, kv_heads * head]
+    a, b = torch.randn(r, width), torch.randn(sum(parts), r)
+    x = torch.randn(5, width)
+    full = _tp_delta(x, a, b).split(parts, dim=1)
+    q_local, kv_local = q_heads * head // tp, head  # one KV head per rank, replicated twice
+    for rank in range(tp):
+        kv_shard = rank // (tp // kv_heads)
+        shard = LayerShard(rows=((rank * q_local, q_local), (kv_shard * kv_local, kv_local),
+                                 (kv_shard * kv_local, kv_local)))
+        la, lb = shard_lora(a, b, parts, shard)
+        got = _tp_delta(x, la, lb).split([q_local, kv_local, kv_local], dim=1)
+        assert torch.allclose(got[0], full[0][:, rank * q_local:(rank + 1) * q_local], atol=1e-5)
+        for i in (1, 2):
+            assert torch.allclose(got[i], full[i][:, kv_shard * kv_local:(kv_shard + 1) * kv_local], atol=1e-5)
+    # gate/up on 2 ranks
+    parts = [12, 12]
+    b = torch.randn(24, r)
+    full = _tp_delta(x, a, b).split(parts, dim=1)
+    for rank in range(2):
+        la, lb = shard_lora(a, b, parts, LayerShard(rows=((rank * 6, 6), (rank * 6, 6))))
+        gate, up = _tp_delta(x, la, lb).split([6, 6], dim=1)
+        assert torch.allclose(gate, full[0][:, rank * 6:(rank + 1) * 6], atol=1e-5)
+        assert torch.allclose(up, full[1][:, rank * 6:(rank + 1) * 6], atol=1e-5)
+
+
+def test_row_parallel_lora_partials_sum_to_the_full_delta():
+    """o / down: each rank adds B (A_r x_r) to its partial output; the all-reduce's sum is B A x."""
+    from selfspec.sglang_ext.lora import LayerShard, shard_lora
+
+    torch.manual_seed(1)
+    a, b, x = torch.randn(6, 16), torch.randn(10, 6), torch.randn(5, 16)
+    total = sum(_tp_delta(x[:, rank * 8:(rank + 1) * 8], *shard_lora(a, b, [10], LayerShard(cols=(rank * 8, 8))))
+                for rank in range(2))
+    assert torch.allclose(total, _tp_delta(x, a, b), atol=1e-5)
+    assert not torch.allclose(_tp_delta(x[:, :8], *shard_lora(a, b, [10], LayerShard(cols=(0, 8)))), total)
+
+
+def test_thread_binding_splits_the_cpus_between_ranks(monkeypatch):
+    import argparse
+
+    from selfspec.sglang_ext import cpu_defaults
+
+    assert cpu_defaults.thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_defaults.thread_binding(2, [0, 1, 2, 3]) == "0,1|2,3"
+    assert cpu_defaults.thread_binding(4, [0, 1]) == "0|1|0|1"  # more ranks than CPUs: shared
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(cpu_defaults, "numa_node_count", lambda: 1)
+    assert cpu_defaults.fill_thread_binding(argparse.Namespace(tp_size=1, dp_size=1, pp_size=1)) is None
+    value = cpu_defaults.fill_thread_binding(argparse.Namespace(tp_size=2, dp_size=1, pp_size=1))
+    assert value and value.count("|") == 1 and __import__("os").environ["SGLANG_CPU_OMP_THREADS_BIND"] == value
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-7|8-15")  # the user's own binding wins
+    assert cpu_defaults.fill_thread_binding(argparse.Namespace(tp_size=2, dp_size=1, pp_size=1)) is None
+
+
+def test_cpu_engine_groups_get_no_gpu_communicators(monkeypatch):
+    from selfspec.sglang_ext.cpu_compat import distributed
+
+    seen = {}
+
+    def group(*args, **kwargs):
+        seen.update(kwargs)
+        return "group"
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    assert distributed._group_without_gpu_communicators(group, [[0, 1]], 0, "gloo", use_pynccl=None) == "group"
+    assert all(seen[name] is False for name in distributed.GPU_COMMUNICATORS)
+    seen.clear()
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "0")  # a GPU engine keeps SGLang's own choice
+    distributed._group_without_gpu_communicators(group, [[0, 1]], 0, "nccl", use_pynccl=None)
+    assert seen == {"use_pynccl": None}

@@ -71,9 +71,10 @@ def _around_from_cli_args(original, *args, **kwargs):
     if ns is None:
         ns = next((a for a in args if isinstance(a, argparse.Namespace)), None)
     if ns is not None:
-        from selfspec.sglang_ext.cpu_defaults import fill_server_args
+        from selfspec.sglang_ext.cpu_defaults import fill_server_args, fill_thread_binding
 
         fill_server_args(ns)
+        fill_thread_binding(ns)
         flags = flags_from_namespace(ns)
         if flags:
             os.environ[cfgmod.FLAGS_ENV] = json.dumps(flags)

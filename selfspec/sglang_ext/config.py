@@ -369,8 +369,6 @@ def check_server_combination(server_args: Any, cfg: ResolvedConfig) -> None:
         raise _err(f"{algo} cannot mix prefill chunks into verify batches: remove --enable-mixed-chunk")
     if get("dllm_algorithm"):
         raise _err(f"{algo} and --dllm-algorithm are alternatives: use one of them")
-    if cfg.spec.needs_adapter and (get("tp_size") or 1) > 1:
-        raise _err("RISD's gated LoRA supports --tp-size 1 only (ISD, JACOBI and SJD work with tensor parallelism)")
     if cfg.spec.needs_adapter and get("enable_lora"):
         raise _err("RISD installs its own gated LoRA in the linear layers: remove --enable-lora / --lora-paths")
     if get("device") == "cpu":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,43 @@ def choose_cpu_engine() -> bool:
     os.environ[CPU_ENGINE_ENV] = "1"
     os.environ[FILLED_ENV] = "1"
     return True
+
+
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def numa_node_count() -> int:
+    """NUMA nodes as SGLang counts them (`numa_utils.get_cpu_ids_by_node`); 1 where unknown."""
+    nodes = [p for p in Path("/sys/devices/system/node").glob("node[0-9]*")] if Path("/sys/devices/system/node").is_dir() else []
+    return max(1, len(nodes))
+
+
+def thread_binding(ranks: int, cpus: list[int]) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` scheduler processes: the CPUs split into contiguous
+    groups, one per rank (ranks share CPUs round-robin where there are fewer CPUs than ranks)."""
+    cpus = sorted(cpus)
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    groups = [cpus[r * len(cpus) // ranks:(r + 1) * len(cpus) // ranks] for r in range(ranks)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
+def fill_thread_binding(ns) -> str | None:
+    """On the CPU engine SGLang binds each rank to one NUMA node and refuses more ranks than nodes
+    unless SGLANG_CPU_OMP_THREADS_BIND names each rank's CPUs; a 1-node machine with --tp-size 2
+    or --dp-size 2 would fail at start-up. When the user set no binding, split this process's
+    CPUs between the ranks (inherited by the scheduler processes SGLang spawns). Returns the
+    value it set, or None."""
+    if os.environ.get(CPU_ENGINE_ENV) != "1" or THREADS_BIND_ENV in os.environ:
+        return None
+    ranks = int(getattr(ns, "tp_size", 1) or 1) * int(getattr(ns, "dp_size", 1) or 1) * int(getattr(ns, "pp_size", 1) or 1)
+    if ranks <= numa_node_count():
+        return None
+    value = thread_binding(ranks, list(os.sched_getaffinity(0)))
+    os.environ[THREADS_BIND_ENV] = value
+    logger.warning("[selfspec] %d ranks on %d NUMA node(s): %s=%s (one CPU group per rank; set it yourself to "
+                   "choose)", ranks, numa_node_count(), THREADS_BIND_ENV, value)
+    return value
 
 
 def fill_server_args(ns) -> list[str]:

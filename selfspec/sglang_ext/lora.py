@@ -21,8 +21,15 @@ then copies each mask into its persistent buffer); on CPU the delta is computed 
 
 Supported adapter contents: LoRA on q/k/v/o/gate/up/down projections, and PEFT embedding
 updates of `embed_tokens` (`trainable_token_indices` rows, or `modules_to_save`), used at gated
-tokens only. Not supported (refused at startup): LoRA on lm_head / embeddings, DoRA, tensor
-parallelism > 1.
+tokens only. Not supported (refused at startup): LoRA on lm_head / embeddings, DoRA.
+
+Tensor parallelism (`--tp-size > 1`) shards the adapter the way SGLang's own TP LoRA layers do
+(`sglang/srt/lora/layers.py` `slice_lora_a_weights` / `slice_lora_b_weights`), written out in
+`shard_lora`: a column-parallel layer keeps the rows of B that produce its output shard (each
+fused part q / k / v or gate / up on its own, k / v by the rank's KV-head shard with replicated
+KV heads), A whole; a row-parallel layer keeps A's columns of its input shard and B whole, so
+each rank adds B·(A_r x_r) to its partial output before SGLang's all-reduce sums them into
+B·A·x. Embedding updates keep the rows of the rank's vocabulary shard.
 """
 
 from __future__ import annotations
@@ -155,19 +162,80 @@ def read_adapter(adapter_dir: str | Path):
     return adapter.lora, emb, adapter.config
 
 
-def _tp_size() -> int:
-    try:
-        from sglang.srt.runtime_context import get_parallel
+# ------------------------------------------------------------------------------ tensor parallelism
+@dataclass(frozen=True)
+class LayerShard:
+    """Which part of a full LoRA a tensor-parallel layer holds: `rows` (start, size) of B's output
+    per fused part (column-parallel; None: all rows), `cols` (start, size) of A's input
+    (row-parallel; None: all columns)."""
 
-        return int(get_parallel().tp_size or 1)
-    except (ImportError, ValueError):  # outside an SGLang process (unit tests)
-        return 1
+    rows: tuple[tuple[int, int], ...] | None = None
+    cols: tuple[int, int] | None = None
+
+
+def shard_lora(lora_a: torch.Tensor, lora_b: torch.Tensor, part_sizes: list[int],
+               shard: LayerShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, in], B [sum(part_sizes), r] (fused parts stacked in order) -> this rank's A and B."""
+    if shard.cols is not None:
+        start, size = shard.cols
+        lora_a = lora_a[:, start:start + size]
+    if shard.rows is not None:
+        offsets = [0]
+        for size in part_sizes:
+            offsets.append(offsets[-1] + size)
+        lora_b = torch.cat([lora_b[offsets[i] + start: offsets[i] + start + size]
+                            for i, (start, size) in enumerate(shard.rows)])
+    return lora_a.contiguous(), lora_b.contiguous()
+
+
+def layer_shard(layer) -> LayerShard:
+    """The shard an SGLang linear layer holds (`LayerShard()` without tensor parallelism)."""
+    from sglang.srt.distributed.utils import get_group_rank_size
+    from sglang.srt.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    if isinstance(layer, RowParallelLinear):
+        rank, size = get_group_rank_size(layer.tp_group)
+        n = layer.input_size_per_partition
+        return LayerShard(cols=(rank * n, n)) if size > 1 and layer.input_is_parallel else LayerShard()
+    if isinstance(layer, QKVParallelLinear):
+        rank, size = get_group_rank_size(layer.tp_group)
+        if size == 1:
+            return LayerShard()
+        kv_rank, _ = get_group_rank_size(layer.kv_tp_group)
+        kv_shard = kv_rank // layer.num_kv_head_replicas
+        q, k, v = layer.q_proj_shard_size, layer.kv_proj_shard_size, layer.v_proj_shard_size
+        return LayerShard(rows=((rank * q, q), (kv_shard * k, k), (kv_shard * v, v)))
+    if isinstance(layer, ColumnParallelLinear):
+        rank, size = get_group_rank_size(layer.tp_group)
+        if size == 1:
+            return LayerShard()
+        parts = list(getattr(layer, "output_sizes", None) or [layer.output_size])
+        return LayerShard(rows=tuple((rank * (p // size), p // size) for p in parts))
+    return LayerShard()
+
+
+def full_part_sizes(layer) -> list[int]:
+    """The full (unsharded) output size of each fused part of a layer, as the HF model has them."""
+    from sglang.srt.layers.linear import QKVParallelLinear
+
+    if isinstance(layer, QKVParallelLinear):
+        kv = layer.total_num_kv_heads
+        return [layer.total_num_heads * layer.head_size, kv * layer.head_size, kv * layer.v_head_size]
+    sizes = list(getattr(layer, "output_sizes", None) or [])
+    return sizes or [layer.weight.shape[0]]
+
+
+def vocab_shard(layer) -> tuple[int, int]:
+    """(first token id, count) of the vocabulary rows an SGLang embedding holds on this rank."""
+    idx = getattr(layer, "shard_indices", None)
+    if idx is None:
+        return 0, layer.weight.shape[0]
+    return int(idx.org_vocab_start_index), int(idx.org_vocab_end_index - idx.org_vocab_start_index)
 
 
 def attach_to_sglang_model(model: torch.nn.Module, adapter_dir: str) -> GatedLoRAHandle:
-    """Attach a PEFT RISD adapter to an SGLang model's linear / embedding layers (in place)."""
-    if _tp_size() > 1:
-        raise LoRAAttachError("RISD gated LoRA supports --tp-size 1 only")
+    """Attach a PEFT RISD adapter to an SGLang model's linear / embedding layers (in place), each
+    layer's shard of it under tensor parallelism."""
     loras, embs, config = read_adapter(adapter_dir)
     gate = set_model_gate(model, LoRAGate())
     modules = dict(model.named_modules())
@@ -194,15 +262,16 @@ def attach_to_sglang_model(model: torch.nn.Module, adapter_dir: str) -> GatedLoR
         if layer is None or not hasattr(layer, "weight"):
             raise LoRAAttachError(f"RISD adapter {adapter_dir}: target {name} is not a layer of the served model")
         a, b, s = abs_
-        layers[name] = _attach(layer, a, b * s, name, gate)
+        a, b = shard_lora(a.float(), (b * s).float(), [b.shape[0]], layer_shard(layer))
+        layers[name] = _attach(layer, a, b, name, gate)
     for name, parts in groups.items():
         layer = modules.get(name)
         if layer is None:
             raise LoRAAttachError(f"RISD adapter {adapter_dir}: fused target {name} is not a layer of the served model")
-        sizes = list(getattr(layer, "output_sizes", None) or [])
-        if not sizes:
+        if not getattr(layer, "output_sizes", None):
             raise LoRAAttachError(f"RISD adapter {adapter_dir}: {name} has no output_sizes to place the LoRA parts")
-        in_features = layer.weight.shape[1]
+        sizes = full_part_sizes(layer)
+        in_features = int(getattr(layer, "input_size", layer.weight.shape[1]))
         a_parts, r_total = [], 0
         for idx, (a, b, s) in sorted(parts.items()):
             a_parts.append((idx, a, b * s))
@@ -222,6 +291,7 @@ def attach_to_sglang_model(model: torch.nn.Module, adapter_dir: str) -> GatedLoR
             lora_a[col:col + r] = a.float()
             lora_b[offs[idx]:offs[idx + 1], col:col + r] = b.float()
             col += r
+        lora_a, lora_b = shard_lora(lora_a, lora_b, sizes, layer_shard(layer))
         layers[name] = _attach(layer, lora_a, lora_b, name, gate)
     embeddings: dict[str, EmbeddingUpdate] = {}
     indices = config.get("trainable_token_indices")
@@ -231,17 +301,21 @@ def attach_to_sglang_model(model: torch.nn.Module, adapter_dir: str) -> GatedLoR
         layer = modules.get(name)
         if layer is None or not hasattr(layer, "weight"):
             raise LoRAAttachError(f"RISD adapter {adapter_dir}: embedding update for {name}, not a layer of the model")
-        table = layer.weight.detach().clone()
+        table = layer.weight.detach().clone()  # this rank's vocabulary rows (all of them without TP)
+        first, count = vocab_shard(layer)
         if kind == "rows":
             idx = indices if isinstance(indices, list) else (indices or {}).get(name.split(".")[-1])
             if idx is None:
                 raise LoRAAttachError(f"RISD adapter {adapter_dir}: trainable token rows for {name} without indices")
-            table[torch.tensor(list(idx), device=table.device)] = tensor.to(table.device, table.dtype)
+            for row, token in zip(tensor, idx):
+                if first <= int(token) < first + count:
+                    table[int(token) - first] = row.to(table.device, table.dtype)
         else:
-            if tensor.shape != table.shape:
+            vocab = int(getattr(layer, "org_vocab_size", table.shape[0]))
+            if tuple(tensor.shape) != (vocab, table.shape[1]):
                 raise LoRAAttachError(f"RISD adapter {adapter_dir}: {name} table {tuple(tensor.shape)} does not fit "
-                                      f"{tuple(table.shape)}: the adapter was trained on another base")
-            table = tensor.to(table.device, table.dtype)
+                                      f"{(vocab, table.shape[1])}: the adapter was trained on another base")
+            table[:count] = tensor[first:first + count].to(table.device, table.dtype)
         layer._selfspec_embedding = EmbeddingUpdate(table, gate)
         embeddings[name] = layer._selfspec_embedding
     if not layers and not embeddings:

@@ -15,6 +15,9 @@ def register() -> None:
     choose_cpu_engine()  # no accelerator and no CPU switch: the CPU engine (flags: cli_args)
 
     install_cpu_compat()
+    from selfspec.sglang_ext.cpu_compat import distributed
+
+    distributed.install()  # --tp-size > 1 on the CPU engine: gloo instead of PyNccl
 
     from selfspec.sglang_ext import attention, cli_args, lora, metrics, registration, request_checks
 

@@ -1,0 +1,165 @@
+"""Every mode under SGLang's own tensor and data parallelism, on this CPU: 2 scheduler processes
+per server (gloo collectives, one CPU each), each compared with the single-process AR server.
+
+Per server (AR, ISD, RISD, JACOBI, SJD at `--tp-size 2` and at `--dp-size 2`):
+- a 16-concurrent burst of the held-out prompts returns AR's greedy output token for token (through
+  the OpenAI client and the native API), and every rank's KV usage is back to 0 after it;
+- the worker runs the decoding core's plan on every rank: per request, as many forwards as the
+  reference engine takes (a rank that decided differently would desynchronise the collectives or
+  change the count), and RISD's sharded adapter proposes exactly what the whole adapter does;
+- seeded sampled requests equal the reference engine's run of the same seed: every rank draws the
+  same numbers (the seed is derived from the request, never from a rank's own RNG);
+- the server-wide metrics summed over the data-parallel ranks are the per-request numbers summed
+  (a tensor-parallel pair reports once, not twice).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang_fixtures import (
+    MAX_NEW,
+    burst,
+    check_lossless,
+    native_generate,
+    post_json,
+    server_args,
+    start_server,
+)
+
+pytestmark = pytest.mark.server
+
+#: name -> (model as a user names it, SGLang arguments, the HF engine's mode and options)
+MODES = {
+    "ar": ("tiny-base", [], None),
+    "isd": ("tiny-base", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3",
+                          "--selfspec-options", "context_tokens=4"], ("isd", {"stride": 3, "context_tokens": 4})),
+    "risd": ("tiny-idlm-lora", [], ("risd", {})),
+    "jacobi": ("tiny-base", ["--speculative-algorithm", "JACOBI", "--selfspec-options",
+                             "block_size=8,max_blocks=2,verify_size=3,ngram_size=4,context_tokens=7"],
+               ("jacobi", {"block_size": 8, "max_blocks": 2, "verify_size": 3, "ngram_size": 4,
+                           "context_tokens": 7})),
+    "sjd": ("tiny-base", ["--speculative-algorithm", "SJD", "--selfspec-options",
+                          "window=4,history_offset=8,context_tokens=4"],
+            ("sjd", {"window": 4, "history_offset": 8, "context_tokens": 4})),
+}
+PARALLEL = {"tp": ["--tp-size", "2"], "dp": ["--dp-size", "2"]}
+CASES = [(p, m) for p in PARALLEL for m in MODES]
+SAMPLED_MODES = ("isd", "risd", "sjd")  # JACOBI is greedy by design, AR samples with SGLang's sampler
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{p}-{m}" for p, m in CASES])
+def case(request, tmp_path_factory, ar_reference):  # ar_reference first: its server is gone by now
+    parallel, mode = request.param
+    model, extra, engine_mode = MODES[mode]
+    # SGLang's default path (radix cache, prompts prefilled in 16-token chunks)
+    proc = start_server(tmp_path_factory, f"{parallel}-{mode}",
+                        server_args("--chunked-prefill-size", "16", *PARALLEL[parallel], *extra), model=model)
+    yield {"server": proc, "parallel": parallel, "mode": mode, "model": model, "engine_mode": engine_mode}
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Reference engines by model name, loaded once per module."""
+    from selfspec.engines.hf import HFEngine
+
+    cache: dict = {}
+
+    def get(model: str):
+        if model not in cache:
+            cache[model] = HFEngine.from_pretrained(model, dtype=torch.float32)
+        return cache[model]
+    return get
+
+
+def rank_states(base_url: str) -> list[dict]:
+    """/server_info's internal state of each data-parallel rank (tensor-parallel ranks share one)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(base_url + "/server_info", timeout=60) as r:
+        return json.loads(r.read())["internal_states"]
+
+
+def wait_all_ranks_idle(base_url: str, timeout: float = 30.0) -> list[int]:
+    import time
+
+    deadline = time.time() + timeout
+    used = [s["kv_tokens_in_use"] for s in rank_states(base_url)]
+    while any(used) and time.time() < deadline:
+        time.sleep(0.5)
+        used = [s["kv_tokens_in_use"] for s in rank_states(base_url)]
+    return used
+
+
+def test_started_with_the_parallel_layout(case):
+    log = case["server"].log_file.read_text()
+    ranks = ("TP0", "TP1") if case["parallel"] == "tp" else ("DP0", "DP1")
+    assert all(f" {r}]" in log for r in ranks), ranks
+    assert len(rank_states(case["server"].base_url)) == (2 if case["parallel"] == "dp" else 1)
+
+
+def test_burst_equals_single_process_ar_and_every_rank_releases_kv(case, heldout_ids, ar_reference):
+    res = check_lossless(case["server"].base_url, heldout_ids, ar_reference, concurrent=True)
+    if case["mode"] != "ar":
+        assert all(m["selfspec_mode"] == case["mode"].upper() for m in res["metas"])
+    used = wait_all_ranks_idle(case["server"].base_url)
+    assert used == [0] * len(used), used
+
+
+def test_every_rank_runs_the_reference_engines_plan(case, heldout_ids, engines):
+    if case["engine_mode"] is None:
+        pytest.skip("AR has no plan to compare")
+    mode, options = case["engine_mode"]
+    ids = heldout_ids[:8]
+    ref = engines(case["model"]).generate(ids, MAX_NEW, mode=mode, mode_config=options)
+    served = burst(lambda p: native_generate(case["server"].base_url, p)["meta_info"], ids, len(ids))
+    # (for RISD: the sharded adapter proposes what the whole adapter does, or the counts differ)
+    assert [m["spec_verify_ct"] + 1 for m in served] == [o.metrics.forwards for o in ref]
+
+
+def test_seeded_sampling_equals_the_reference_engine(case, heldout_ids, engines, ar_reference):
+    if case["mode"] not in SAMPLED_MODES:
+        pytest.skip(f"{case['mode']} is not a sampled selfspec mode")
+    from selfspec.decoding.sampling import SamplingParams
+
+    mode, options = case["engine_mode"]
+    ar_greedy = ar_reference["output_ids"]
+    sp = SamplingParams(0.8, top_k=30, top_p=0.9)
+    items = [10, 11, 12, 13]
+    got = burst(lambda i: native_generate(case["server"].base_url, heldout_ids[i], 24, temperature=0.8, top_k=30,
+                                          top_p=0.9, sampling_seed=4321 + i)["output_ids"], items, len(items))
+    engine = engines(case["model"])
+    for i, out in zip(items, got):
+        ref = engine.generate([heldout_ids[i]], 24, sp, seed=[4321 + i], mode=mode, mode_config=options)
+        assert out == ref[0].token_ids, i
+    assert any(out != ar_greedy[i][:24] for i, out in zip(items, got))  # sampled, not greedy
+
+
+def test_metrics_sum_over_ranks_to_the_per_request_numbers(case, heldout_ids):
+    if case["mode"] == "ar":
+        pytest.skip("the selfspec metrics belong to the selfspec modes")
+    url = case["server"].base_url
+    wait_all_ranks_idle(url)
+    before = [s["selfspec"] for s in rank_states(url)]
+    outs = burst(lambda ids: native_generate(url, ids, max_new_tokens=13, stop_token_ids=[ids[-1]]), heldout_ids[:8])
+    wait_all_ranks_idle(url)
+    after = [s["selfspec"] for s in rank_states(url)]
+    metas = [o["meta_info"] for o in outs]
+
+    def total(states, key):
+        return sum(s[key] for s in states)
+    assert total(after, "requests") - total(before, "requests") == len(metas)
+    assert total(after, "committed_tokens") - total(before, "committed_tokens") == sum(m["completion_tokens"]
+                                                                                      for m in metas)
+    assert total(after, "forwards") - total(before, "forwards") == sum(m.get("spec_verify_ct", 0) + 1 for m in metas)
+    if case["parallel"] == "dp":  # round-robin: both data-parallel ranks served some
+        assert all(a["requests"] > b["requests"] for a, b in zip(after, before))
+
+
+def test_batch_request_with_several_prompts(case, heldout_ids, ar_reference):
+    """One native request carrying 4 prompts (SGLang splits it over the ranks' batches)."""
+    body = {"input_ids": heldout_ids[:4], "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}}
+    outs = post_json(case["server"].base_url, "/generate", body)
+    assert [o["output_ids"] for o in outs] == ar_reference["output_ids"][:4]
