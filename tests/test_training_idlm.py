@@ -448,7 +448,7 @@ def test_on_policy_records_train_the_mask_half_only_and_mix_by_weight(micro_dir,
                          for _ in range(30)))
     data = load_data(tok, [str(data_file), str(f)], [0.75, 0.25])
     assert data.train.rows_per_part(8) == [6, 2]
-    ids, lm = data.train.sample(batch_generator(0, 0, 0, 0), 8, 16)
+    ids, lm = data.train.sample(batch_generator(0, 0, 0), 8, 16)
     assert ids.shape == lm.shape == (8, 17)
     assert bool((lm[:6] == LOSS_BOTH).all())  # text rows: both halves
     assert ids[6, :7].tolist() == [5, 6, 7, 8, 9, 10, 11] and lm[6, :7].tolist() == [0, 0, 0] + [LOSS_MASK] * 4

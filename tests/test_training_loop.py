@@ -168,3 +168,38 @@ def test_tiny_base_pretraining_runs_on_the_loop(tmp_path, monkeypatch):
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["steps"] == 4 and prov["corpus"]["train_files"] == 8 and prov["history"] == hist
     assert json.loads((Path(res["checkpoint"]) / "train_state.json").read_text())["objective"] == "tiny-base"
+
+
+def test_config_to_args_round_trips_through_the_generated_options():
+    import argparse
+
+    from selfspec.training import config as C
+    from selfspec.training.idlm import IDLMConfig
+
+    cfg = IDLMConfig(base="b", out="o", stride=3, curriculum=[2, 3], data=["x.jsonl", "y"], batch_size=2,
+                     progress_bar=False, export=False, eval_every=10, resume="auto")
+    parser = argparse.ArgumentParser()
+    C.add_arguments(parser, IDLMConfig)
+    assert C.from_args(IDLMConfig, parser.parse_args(C.to_args(cfg))) == cfg
+    assert "--no-progress-bar" in C.to_args(cfg) and "--steps" not in C.to_args(cfg)
+
+
+def test_take_rows_keeps_shared_fields_and_slices_rows():
+    import dataclasses
+
+    from selfspec.training.distributed import global_mean, shard_rows, take_rows
+
+    @dataclasses.dataclass
+    class Batch:
+        ids: torch.Tensor
+        lens: torch.Tensor
+        layout: tuple
+        flag: bool
+
+    b = Batch(torch.arange(12).view(4, 3), torch.arange(4), (7, 8), True)
+    part = take_rows({"b": b, "pair": (torch.arange(4), torch.zeros(4, 2)), "seed": 5}, shard_rows(2, 1))
+    assert part["b"].ids.tolist() == [[6, 7, 8], [9, 10, 11]] and part["b"].lens.tolist() == [2, 3]
+    assert part["b"].layout == (7, 8) and part["b"].flag is True and part["seed"] == 5
+    assert part["pair"][0].tolist() == [2, 3] and part["pair"][1].shape == (2, 2)
+    # one process: the plain mean
+    assert float(global_mean(torch.tensor(6.0), 4)) == 1.5

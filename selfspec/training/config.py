@@ -164,6 +164,28 @@ def from_args(cls: type, args: argparse.Namespace, **given: Any):
     return cls(**kw)
 
 
+def to_args(cfg: Any) -> list[str]:
+    """The command-line words that rebuild `cfg` (the inverse of `from_args`): each option whose
+    value is not the field's default."""
+    words: list[str] = []
+    for f in cli_fields(type(cfg)):
+        value = getattr(cfg, f.name)
+        default = None if f.default is MISSING else f.default
+        if f.default_factory is not MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        if value is None or (value == default and f.default is not MISSING or
+                             value == default and f.default_factory is not MISSING):  # type: ignore[misc]
+            continue
+        if isinstance(value, bool):
+            words.append(flag(f))
+        elif isinstance(value, list):
+            nargs = (f.metadata or {}).get("argparse", {}).get("nargs")
+            words += [flag(f), *map(str, value)] if nargs else [flag(f), ",".join(map(str, value))]
+        else:
+            words += [flag(f), str(value)]
+    return words
+
+
 def given_options(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     """The fields of `cls` an `overrides=True` parser was given a value for."""
     return {f.name: getattr(args, f.name) for f in cli_fields(cls)

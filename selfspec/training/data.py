@@ -112,9 +112,12 @@ class Dataset:
             yield torch.stack([c[0] for c in chunk]), torch.stack([c[1] for c in chunk])
 
 
-def batch_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
-    """The generator for one micro-batch: a hash of (seed, step, micro, rank)."""
-    h = hashlib.sha256(f"idlm-batch:{seed}:{step}:{micro}:{rank}".encode()).digest()
+def batch_generator(seed: int, step: int, micro: int) -> torch.Generator:
+    """The generator of one global micro-batch (every process draws the same one and keeps its
+    rows: `selfspec.training.distributed`): a hash of (seed, step, micro). The trailing 0 in the
+    hashed text is where a per-process stream was once numbered; kept, one-process runs draw the
+    batches they always drew."""
+    h = hashlib.sha256(f"idlm-batch:{seed}:{step}:{micro}:0".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
 
 

@@ -43,6 +43,7 @@ from selfspec.training import config as C
 from selfspec.training import masks as M
 from selfspec.training.config import LoopConfig, option
 from selfspec.training.data import LOSS_CLEAN, LOSS_MASK, batch_generator, load_data
+from selfspec.training.distributed import global_rows, shard_rows, take_rows
 from selfspec.training.loop import train
 from selfspec.training.objective import Objective
 from selfspec.training.losses import IGNORE_INDEX, idlm_loss, shifted_labels
@@ -332,7 +333,9 @@ class IDLMObjective(Objective):
     def batch(self, step: int, micro: int, rank: int):
         """(ids [B, L+1], MASK-half labels [B, L], clean-half labels [B, L])."""
         cfg = self.cfg
-        ids, lm = self.data.train.sample(batch_generator(cfg.seed, step, micro, rank), cfg.batch_size, cfg.seq_len)
+        ids, lm = self.data.train.sample(batch_generator(cfg.seed, step, micro), global_rows(cfg.batch_size),
+                                         cfg.seq_len)
+        ids, lm = take_rows((ids, lm), shard_rows(cfg.batch_size, rank))
         ids, lm = ids.to(self.device), lm.to(self.device)
         return ids, shifted_labels(ids, (lm & LOSS_MASK) > 0), shifted_labels(ids, (lm & LOSS_CLEAN) > 0)
 

@@ -34,6 +34,7 @@ from selfspec.models import ASSETS_DIR
 from selfspec.training import config as C
 from selfspec.training.config import LoopConfig, option
 from selfspec.training.data import batch_generator
+from selfspec.training.distributed import global_rows, shard_rows
 from selfspec.training.image_data import NUM_CLASSES, digit_split, shifted
 from selfspec.training.image_tokenizer import CODEBOOK_DIR, TOKENS, PatchVQ
 from selfspec.training.losses import next_token_ce
@@ -172,10 +173,12 @@ class ImageGPTObjective(Objective):
 
     def batch(self, step: int, micro: int, rank: int) -> torch.Tensor:
         cfg = self.cfg
-        gen = batch_generator(cfg.seed, step, micro, rank)
-        idx = torch.randint(0, len(self.codes), (cfg.batch_size,), generator=gen)
+        gen = batch_generator(cfg.seed, step, micro)
+        rows = shard_rows(cfg.batch_size, rank)
+        idx = torch.randint(0, len(self.codes), (global_rows(cfg.batch_size),), generator=gen)
+        drop = (torch.rand(len(idx), generator=gen) < cfg.label_dropout)[rows]
+        idx = idx[rows]
         cls = self.layout.class_ids(self.labels[idx])
-        drop = torch.rand(cfg.batch_size, generator=gen) < cfg.label_dropout
         cls = torch.where(drop, torch.full_like(cls, self.layout.null_id), cls)
         return torch.cat([cls[:, None], self.codes[idx].long()], 1).to(self.device)
 

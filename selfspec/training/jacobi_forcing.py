@@ -34,7 +34,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import platform
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -47,6 +46,7 @@ from selfspec.errors import UsageError
 from selfspec.training import config as C
 from selfspec.training.config import LoopConfig, option
 from selfspec.training.data import batch_generator
+from selfspec.training.distributed import global_rows, shard_rows, take_rows
 from selfspec.training.jf_data import SCHEDULES, JFBatch, Trajectory, first_error, pack, pack_trajectories, state_noise
 from selfspec.training.jf_forward import forward, jacobi_update
 from selfspec.training.jf_losses import jf_loss
@@ -246,15 +246,15 @@ class JFObjective(Objective):
         elif self.cfg.anchor_weight > 0:
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False).to(self.device)
 
-    def _rows(self, step: int, micro: int, rank: int) -> tuple[list[Trajectory], int]:
-        """The trajectories of a micro-batch and their epoch: a seeded permutation per epoch,
-        walked in order by a global row counter (a pure function of step, micro-batch, rank)."""
+    def _rows(self, step: int, micro: int) -> tuple[list[Trajectory], int]:
+        """The trajectories of a global micro-batch (every process's rows) and their epoch: a
+        seeded permutation per epoch, walked in order by a global row counter."""
         cfg = self.cfg
-        world = int(os.environ.get("WORLD_SIZE", "1"))
         num = len(self.train_trajs)
-        first = ((step * cfg.grad_accum + micro) * world + rank) * cfg.batch_size
+        size = global_rows(cfg.batch_size)
+        first = (step * cfg.grad_accum + micro) * size
         rows, epochs = [], []
-        for g in range(first, first + cfg.batch_size):
+        for g in range(first, first + size):
             epoch = g // num
             perm = torch.randperm(num, generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
             rows.append(self.train_trajs[int(perm[g % num])])
@@ -263,9 +263,10 @@ class JFObjective(Objective):
 
     def batch(self, step: int, micro: int, rank: int) -> JFBatch:
         cfg = self.cfg
-        trajs, epoch = self._rows(step, micro, rank)
-        return pack_trajectories(trajs, self.pad_id, cfg.schedule, cfg.window, cfg.context, phase=epoch,
-                                 generator=batch_generator(cfg.seed, step, micro, rank))
+        trajs, epoch = self._rows(step, micro)
+        packed = pack_trajectories(trajs, self.pad_id, cfg.schedule, cfg.window, cfg.context, phase=epoch,
+                                   generator=batch_generator(cfg.seed, step, micro))
+        return take_rows(packed, shard_rows(cfg.batch_size, rank))
 
     def forward(self, model: torch.nn.Module, batch: JFBatch, stage: dict):
         logits = forward(model, batch, self.attn_impl)

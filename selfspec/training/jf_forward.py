@@ -31,18 +31,20 @@ class JFLogits:
 
 
 def forward(model, batch: JFBatch, attn_implementation: str, chain: bool = True) -> JFLogits:
+    # One call of the model itself (the head at the read positions through `logits_to_keep`): a
+    # DDP / FSDP wrapper only synchronises gradients of forwards that go through it.
     device = next(model.parameters()).device
     layout = batch.layout
-    hidden = model.get_decoder()(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                                 attention_mask=_mask(batch, device, attn_implementation),
-                                 use_cache=False).last_hidden_state
-    head = model.get_output_embeddings()
     bsz, T, n = batch.noisy.shape
-    noisy = head(hidden[:, layout.noisy_indices(device).flatten()]).view(bsz, T, n, -1)
-    if not chain:
-        return JFLogits(noisy, None)
-    idx = torch.cat([torch.tensor([layout.prompt_len - 1], device=device), layout.clean_indices(device).flatten()])
-    return JFLogits(noisy, head(hidden[:, idx]))
+    keep = layout.noisy_indices(device).flatten()
+    if chain:
+        keep = torch.cat([keep, torch.tensor([layout.prompt_len - 1], device=device),
+                          layout.clean_indices(device).flatten()])
+    logits = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                   attention_mask=_mask(batch, device, attn_implementation), use_cache=False,
+                   logits_to_keep=keep).logits
+    noisy = logits[:, : T * n].view(bsz, T, n, -1)
+    return JFLogits(noisy, logits[:, T * n:] if chain else None)
 
 
 def jacobi_update(noisy_logits: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ def jf_loss(logits: JFLogits, batch: JFBatch, ar_weight: float, anchor_weight: f
         else:
             kl = 0.0
     a_labels = chain_labels(batch).to(device)
-    ar, _ = _ce(logits.chain, a_labels)
+    ar, _, _ = _ce(logits.chain, a_labels)
     total = pc + ar_weight * ar
     anchor = None
     if anchor_weight > 0 and teacher_chain is not None:

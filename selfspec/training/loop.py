@@ -13,7 +13,14 @@ what is trained, on which batches, with which loss; the loop decides how.
   and export) so that the schedule (and the objective's stages, which follow the plan) finish
   inside the budget even on a busy machine. The plan is part of the checkpoint.
 - Accelerate drives devices and processes (CPU, one GPU, or `accelerate launch` with DDP / FSDP
-  / DeepSpeed); bf16 autocast on CUDA by default.
+  / DeepSpeed; on a machine without CUDA, several processes train on the CPU over gloo); bf16
+  autocast on CUDA by default. With P processes each holds `batch_size` rows of one global
+  micro-batch (`selfspec.training.distributed`): the run trains what one process with P times
+  the batch size trains. Rank 0 evaluates (on the unwrapped model: a DDP forward on one rank
+  alone would wait for the others) and exports; the logged statistics are the mean over ranks;
+  a time-budget re-plan is rank 0's, broadcast, so every rank runs the same number of steps.
+- The state keeps every step's statistics (`curve`: the loss curve, mean over processes) beside
+  the evaluations (`history`).
 - Checkpoints every `save_every` steps and at the end (`selfspec.training.checkpoint`);
   `resume` continues bit-identically on CPU (batches are a function of the step, the RNG state
   is in the checkpoint); `stop_after_steps` leaves early, checkpointed.
@@ -32,6 +39,7 @@ from tqdm import tqdm
 from selfspec.errors import UsageError
 from selfspec.training.checkpoint import read_state, resume_checkpoint, save_checkpoint
 from selfspec.training.config import LoopConfig
+from selfspec.training.distributed import local_only
 from selfspec.training.export import export_trained
 from selfspec.training.objective import DEFAULT_OBJECTIVE, Objective
 
@@ -70,6 +78,38 @@ def mixed_precision(cfg: LoopConfig) -> str:
     return "bf16" if torch.cuda.is_available() else "no"
 
 
+def mean_over_ranks(accelerator, stats: dict[str, float]) -> dict[str, float]:
+    """Each statistic averaged over the processes (the values themselves with one)."""
+    if accelerator.num_processes == 1 or not stats:
+        return stats
+    keys = sorted(stats)
+    values = accelerator.reduce(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64,
+                                             device=accelerator.device), reduction="mean")
+    return {k: float(v) for k, v in zip(keys, values.tolist())}
+
+
+def held_out(objective: Objective, accelerator, model) -> dict | None:
+    """The held-out evaluation, on rank 0 (None elsewhere). Under FSDP every process runs it (a
+    forward of a sharded model gathers its parameters from all of them); elsewhere rank 0 alone,
+    on the unwrapped model (a DDP forward on one rank would wait for the others)."""
+    from accelerate.utils import DistributedType
+
+    with local_only():  # the objective's losses take no collective here (each process evaluates alone)
+        if accelerator.distributed_type == DistributedType.FSDP:
+            ev = objective.evaluate(model)
+            return ev if accelerator.is_main_process else None
+        return objective.evaluate(accelerator.unwrap_model(model)) if accelerator.is_main_process else None
+
+
+def rank0_value(accelerator, value: int) -> int:
+    """Rank 0's value on every process (time-based decisions must not differ between ranks)."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast
+
+    return int(broadcast(torch.tensor([value], device=accelerator.device), from_process=0).item())
+
+
 # ------------------------------------------------------------------------------ the loop
 def train(objective: Objective) -> dict:
     from accelerate import Accelerator
@@ -79,7 +119,11 @@ def train(objective: Objective) -> dict:
     started = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed_precision(cfg))
+    # several processes without CUDA (started by `accelerate launch`, i.e. torchrun): cpu=True makes
+    # them form a gloo group instead of looking for a GPU backend and falling back to one process
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed_precision(cfg),
+                              cpu=several and not torch.cuda.is_available())
     set_seed(cfg.seed)
     model = objective.build_model(accelerator.device)
     objective.setup_training(model, accelerator.print)
@@ -106,9 +150,10 @@ def train(objective: Objective) -> dict:
         state.update(saved)
         accelerator.print(f"resumed from {resume_from} at step {state['step']} of {state['planned_steps']}")
     state["data"] = objective.data_description
-    if state["base_eval"] is None and accelerator.is_main_process:
-        state["base_eval"] = objective.evaluate(model)
-        accelerator.print(f"before training: held-out {objective.describe_eval(state['base_eval'])}")
+    if state["base_eval"] is None:
+        state["base_eval"] = held_out(objective, accelerator, model)
+        if accelerator.is_main_process:
+            accelerator.print(f"before training: held-out {objective.describe_eval(state['base_eval'])}")
 
     rank = accelerator.process_index
     model.train()
@@ -137,6 +182,8 @@ def train(objective: Objective) -> dict:
                 optimizer.zero_grad(set_to_none=True)
             for key, value in micro_stats.items():
                 stats[key] = stats.get(key, 0.0) + value / cfg.grad_accum
+        stats = mean_over_ranks(accelerator, stats)
+        state.setdefault("curve", []).append({"step": step + 1, **stats})
         state["step"] = step + 1
         loop_steps += 1
         now = time.time()
@@ -148,10 +195,11 @@ def train(objective: Objective) -> dict:
 
         if loop_steps == 10:
             replan(cfg, state, time.time() - loop_started, loop_steps, reserve_s=reserve_seconds(cfg))
+            state["planned_steps"] = rank0_value(accelerator, state["planned_steps"])
             bar.total = state["planned_steps"]
         done = state["step"] >= state["planned_steps"]
         if (cfg.eval_every and state["step"] % cfg.eval_every == 0) or done:
-            ev = objective.evaluate(model) if accelerator.is_main_process else {}
+            ev = held_out(objective, accelerator, model)
             state["history"].append({"step": state["step"], **stage, "lr": lr, **stats,
                                      "elapsed_s": round(state["elapsed_s"], 1), "heldout": ev})
             if ev:
@@ -163,6 +211,7 @@ def train(objective: Objective) -> dict:
             segment_start = now
             if not done:
                 replan(cfg, state, time.time() - loop_started, loop_steps, reserve_s=reserve_seconds(cfg))
+                state["planned_steps"] = rank0_value(accelerator, state["planned_steps"])
                 bar.total = state["planned_steps"]
         if cfg.save_every and state["step"] % cfg.save_every == 0 and state["step"] < state["planned_steps"]:
             save_checkpoint(accelerator, cfg, state, objective.name)

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.training.distributed import all_reduce_sum, data_parallel, global_mean, global_value
+
 IGNORE_INDEX = -100
 AUTO_BALANCE_EPS = 1e-8
 
@@ -60,14 +62,18 @@ def next_token_ce(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Ten
     return loss, {"loss": loss.item()}
 
 
-def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(mean CE over the labelled positions of every process's rows, for backward; its value,
+    detached; this process's count). See `selfspec.training.distributed`."""
     count = int((labels != IGNORE_INDEX).sum())
-    if count == 0:
-        return logits.sum() * 0.0, 0
-    loss = torch.nn.functional.cross_entropy(
+    if count == 0 and not data_parallel():
+        zero = logits.sum() * 0.0
+        return zero, zero.detach(), 0
+    total = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    return loss / count, count
+    loss = global_mean(total, count)
+    return loss, torch.tensor(global_value(total, count)) if data_parallel() else loss.detach(), count
 
 
 @dataclass
@@ -88,22 +94,24 @@ def self_distill_ce(mask_logits: torch.Tensor, clean_logits: torch.Tensor, label
     same token p+1, given the true tokens <= p), averaged over labelled positions. It pulls the
     proposals towards what the verify positions will accept rather than only towards the data."""
     valid = labels != IGNORE_INDEX
-    if not bool(valid.any()):
+    if not bool(valid.any()) and not data_parallel():
         return mask_logits.sum() * 0.0
     target = torch.softmax(clean_logits[valid].detach().float(), dim=-1)
     logq = torch.log_softmax(mask_logits[valid].float(), dim=-1)
-    return -(target * logq).sum(-1).mean()
+    per = -(target * logq).sum(-1)
+    return global_mean(per.sum(), per.numel()) if data_parallel() else per.mean()
 
 
 def ar_anchor_kl(clean_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """KL(teacher || student) of the next-token distributions at the clean positions that carry
     a label, averaged over them; the teacher's logits are treated as constants."""
     valid = labels != IGNORE_INDEX
-    if not bool(valid.any()):
+    if not bool(valid.any()) and not data_parallel():
         return clean_logits.sum() * 0.0
     log_t = torch.log_softmax(teacher_logits[valid].detach().float(), dim=-1)
     log_s = torch.log_softmax(clean_logits[valid].float(), dim=-1)
-    return (log_t.exp() * (log_t - log_s)).sum(-1).mean()
+    per = (log_t.exp() * (log_t - log_s)).sum(-1)
+    return global_mean(per.sum(), per.numel()) if data_parallel() else per.mean()
 
 
 def clean_loss_scale(mask_ce: torch.Tensor, clean_ce: torch.Tensor, balance: str, ce_scale: float) -> float:
@@ -126,19 +134,22 @@ def idlm_loss(logits: torch.Tensor, labels: torch.Tensor, balance: str, ce_scale
     the clean sequence, for the optional AR anchor (`anchor_weight` > 0)."""
     seq_len = labels.shape[1]
     clean_labels = labels if clean_labels is None else clean_labels
-    mask_ce, n_mask = _ce(logits[:, :seq_len], labels)
+    # every process runs the same collectives in the same order (no data-dependent branch may
+    # skip one under data parallelism): the ratio term is computed whenever balance is auto there
+    mask_ce, mask_value, n_mask = _ce(logits[:, :seq_len], labels)
     if train_clean:
-        clean_ce, n_clean = _ce(logits[:, seq_len:], clean_labels)
+        clean_ce, clean_value, n_clean = _ce(logits[:, seq_len:], clean_labels)
     else:
         with torch.no_grad():
-            clean_ce, n_clean = _ce(logits[:, seq_len:].detach(), clean_labels)
+            clean_ce, clean_value, n_clean = _ce(logits[:, seq_len:].detach(), clean_labels)
     shared = (labels != IGNORE_INDEX) & (clean_labels != IGNORE_INDEX)
-    if balance == "auto" and not bool(shared.eq(labels != IGNORE_INDEX).all()):
+    if balance == "auto" and (data_parallel() or not bool(shared.eq(labels != IGNORE_INDEX).all())):
         with torch.no_grad():  # CE_mask*: the MASK CE over the targets both halves learn
-            ratio_ce, _ = _ce(logits[:, :seq_len].detach(), labels.masked_fill(~shared, IGNORE_INDEX))
-        scale = clean_loss_scale(ratio_ce, clean_ce, balance, ce_scale) if n_clean else 0.0
+            _, ratio_value, _ = _ce(logits[:, :seq_len].detach(), labels.masked_fill(~shared, IGNORE_INDEX))
+        any_clean = float(all_reduce_sum(n_clean)) > 0 if data_parallel() else n_clean > 0
+        scale = clean_loss_scale(ratio_value, clean_value, balance, ce_scale) if any_clean else 0.0
     else:
-        scale = clean_loss_scale(mask_ce, clean_ce, balance, ce_scale)
+        scale = clean_loss_scale(mask_value, clean_value, balance, ce_scale)
     total = mask_ce + scale * clean_ce if train_clean else mask_ce
     distill = None
     if distill_weight > 0:
@@ -152,7 +163,7 @@ def idlm_loss(logits: torch.Tensor, labels: torch.Tensor, balance: str, ce_scale
         anchor = ar_anchor_kl(logits[:, seq_len:], teacher_logits, clean_labels)
         total = total + anchor_weight * anchor
         anchor = anchor.detach()
-    return IDLMLoss(total, mask_ce.detach(), clean_ce.detach(), scale, n_mask, n_clean, distill, anchor)
+    return IDLMLoss(total, mask_value, clean_value, scale, n_mask, n_clean, distill, anchor)
 
 
 # ------------------------------------------------------------------------------ distillation
@@ -181,8 +192,10 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
         log_m = torch.logsumexp(torch.stack([log_t + math.log(beta), log_s + math.log(1 - beta)]), 0)
         per = beta * kl(log_t, log_m) + (1 - beta) * kl(log_s, log_m)
     if mask is None:
-        return per.mean()
+        return global_mean(per.sum(), per.numel()) if data_parallel() else per.mean()
     mask = mask.float()
+    if data_parallel():
+        return global_mean((per * mask).sum(), mask.sum())
     return (per * mask).sum() / mask.sum().clamp(min=1e-8)
 
 
@@ -209,5 +222,7 @@ def varkd_lite(student_logits: torch.Tensor, teacher_logits: torch.Tensor, token
     target = top_vals / top_vals.sum(-1, keepdim=True)  # over the teacher's top-k codes only
     log_s = torch.log_softmax(student_logits.float(), -1).gather(-1, top_idx)
     per = (target * (target.clamp_min(1e-12).log() - log_s)).sum(-1)
+    if data_parallel():
+        return global_mean((per * weight).sum(), weight.sum()), global_value(selected.sum(), supervised.sum())
     loss = (per * weight).sum() / weight.sum().clamp(min=1e-8)
     return loss, float(selected.sum()) / max(1, int(supervised.sum()))

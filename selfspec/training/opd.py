@@ -35,6 +35,7 @@ from selfspec.errors import UsageError
 from selfspec.training import config as C
 from selfspec.training.config import LoopConfig, option
 from selfspec.training.data import batch_generator
+from selfspec.training.distributed import global_rows, shard_rows
 from selfspec.training.losses import generalized_jsd, varkd_lite
 from selfspec.training.loop import train
 from selfspec.training.objective import Objective
@@ -161,13 +162,16 @@ class OPDObjective(Objective):
 
     def batch(self, step: int, micro: int, rank: int) -> dict:
         cfg = self.cfg
-        gen = batch_generator(cfg.seed, step, micro, rank)
-        idx = torch.randint(0, len(self.codes), (cfg.batch_size,), generator=gen)
+        gen = batch_generator(cfg.seed, step, micro)
+        rows = shard_rows(cfg.batch_size, rank)
+        idx = torch.randint(0, len(self.codes), (global_rows(cfg.batch_size),), generator=gen)
         on_policy = bool(torch.rand((), generator=gen) < cfg.on_policy)
-        null_rows = torch.rand(cfg.batch_size, generator=gen) < cfg.label_dropout
+        null_rows = torch.rand(len(idx), generator=gen) < cfg.label_dropout
+        seed = int(torch.randint(0, 2**31 - 1, (), generator=gen))
+        idx = idx[rows]
+        # the rollout seed is per process: a sampled rollout of this process's rows draws its own numbers
         return {"labels": self.labels[idx], "codes": self.codes[idx].long(), "on_policy": on_policy,
-                "null_rows": null_rows,
-                "seed": int(torch.randint(0, 2**31 - 1, (), generator=gen))}
+                "null_rows": null_rows[rows], "seed": seed + rows.start}
 
     def rollout(self, model: torch.nn.Module, labels: torch.Tensor, prefix: torch.Tensor, seed: int):
         """The student completes `prefix` frozen and in eval mode; back in training mode after."""
@@ -189,8 +193,10 @@ class OPDObjective(Objective):
         codes = batch["codes"].to(self.device)
         labels = batch["labels"].to(self.device)
         stats = {}
-        if batch["on_policy"]:
-            res = self.rollout(model, labels, codes[:, :plen], batch["seed"])
+        if batch["on_policy"]:  # the unwrapped student: its rollout forwards are this process's alone
+            from accelerate.utils import extract_model_from_parallel
+
+            res = self.rollout(extract_model_from_parallel(model), labels, codes[:, :plen], batch["seed"])
             codes = res.codes.to(self.device)
             stats = {"rounds": float(res.rounds), "tokens_per_round": res.tokens_per_round}
         # Rollouts are conditioned on the class; the distillation input of a dropped row is the null

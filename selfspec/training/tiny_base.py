@@ -23,6 +23,7 @@ from selfspec.training import config as C
 from selfspec.training.config import LoopConfig, option
 from selfspec.training.corpus import HELDOUT_PERCENT, load_stdlib_split
 from selfspec.training.data import batch_generator
+from selfspec.training.distributed import global_rows, shard_rows
 from selfspec.training.losses import next_token_ce
 from selfspec.training.loop import train
 from selfspec.training.objective import Objective
@@ -159,8 +160,9 @@ class TinyBaseObjective(Objective):
     def batch(self, step: int, micro: int, rank: int) -> torch.Tensor:
         """[B, seq_len + 1] random windows of the train stream."""
         cfg = self.cfg
-        gen = batch_generator(cfg.seed, step, micro, rank)
-        starts = torch.randint(0, len(self.train_tokens) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
+        gen = batch_generator(cfg.seed, step, micro)
+        starts = torch.randint(0, len(self.train_tokens) - cfg.seq_len - 1, (global_rows(cfg.batch_size),),
+                               generator=gen)[shard_rows(cfg.batch_size, rank)]
         return torch.stack([self.train_tokens[s : s + cfg.seq_len + 1] for s in starts.tolist()]).to(self.device)
 
     def forward(self, model: torch.nn.Module, batch: torch.Tensor, stage: dict) -> torch.Tensor:
