@@ -3,7 +3,9 @@ per server (gloo collectives, one CPU each), each compared with the single-proce
 
 Per server (AR, ISD, RISD, JACOBI, SJD at `--tp-size 2`; the four selfspec modes at `--dp-size 2`):
 - a 16-concurrent burst of the held-out prompts returns AR's greedy output token for token (through
-  the OpenAI client and the native API), and every rank's KV usage is back to 0 after it;
+  the OpenAI client and the native API), and KV usage is back to 0 after it on every
+  data-parallel rank (/server_info reports rank 0 of a tensor-parallel group, whose ranks run the
+  same scheduler decisions: a divergence would hang their collectives, not show up here);
 - the worker runs the decoding core's plan on every rank: per request, as many forwards as the
   reference engine takes (a rank that decided differently would desynchronise the collectives or
   change the count), and RISD's sharded adapter proposes exactly what the whole adapter does;

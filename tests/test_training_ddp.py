@@ -168,3 +168,17 @@ def test_opd_two_processes_equal_one(micro_pair, tmp_path):  # noqa: F811
     assert_same_curve(curve(one["state"], "loss"), curve(two, "loss"))
     half = run_in_process("opd", _opd_cfg(micro_pair, tmp_path / "half", batch_size=2, **kw))
     assert_different_curve(curve(one["state"], "loss"), curve(half["state"], "loss"))
+
+
+def test_jacobi_forcing_rounds_collect_on_rank_0_only(monkeypatch, tmp_path):
+    """With several processes, a round's trajectories are collected once (rank 0); the others
+    wait for the complete manifest instead of writing the same shards."""
+    from selfspec.training import jacobi_forcing, trajectories
+
+    checks = iter([False, False, False, True])
+    monkeypatch.setattr(trajectories, "is_complete", lambda path: next(checks))
+    monkeypatch.setattr(trajectories, "collect", lambda cfg: pytest.fail("rank 1 collected"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    jacobi_forcing.collect_round(object(), tmp_path / "traj", poll_s=0.01)
+    assert next(checks, "drained") == "drained"  # it polled until rank 0's manifest was complete

@@ -36,6 +36,7 @@ import json
 import math
 import platform
 import sys
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from selfspec.errors import UsageError
 from selfspec.training import config as C
 from selfspec.training.config import LoopConfig, option
 from selfspec.training.data import batch_generator
-from selfspec.training.distributed import global_rows, shard_rows, take_rows
+from selfspec.training.distributed import global_rows, rank_and_world, shard_rows, take_rows
 from selfspec.training.jf_data import SCHEDULES, JFBatch, Trajectory, first_error, pack, pack_trajectories, state_noise
 from selfspec.training.jf_forward import forward, jacobi_update
 from selfspec.training.jf_losses import jf_loss
@@ -390,10 +391,18 @@ def _round_done(rcfg: JFConfig) -> bool:
         and json.loads((Path(rcfg.out) / "provenance.json").read_text()).get("steps", 0) > 0
 
 
-def collect_round(rcfg: JFConfig, traj: Path) -> None:
+def collect_round(rcfg: JFConfig, traj: Path, poll_s: float = 2.0) -> None:
+    """The round's trajectories. Under `accelerate launch` rank 0 collects them and the other
+    processes wait for its complete manifest (the process group is not up before training)."""
     from selfspec.training.trajectories import TrajectoryConfig, collect, is_complete
 
     if is_complete(traj):
+        return
+    rank, _ = rank_and_world()
+    if rank != 0:
+        print(f"rank {rank}: waiting for rank 0 to collect {traj}", flush=True)
+        while not is_complete(traj):
+            time.sleep(poll_s)
         return
     collect(TrajectoryConfig(model=rcfg.base, out=str(traj), block_size=rcfg.block_size, new_tokens=rcfg.new_tokens,
                              prompt_tokens=rcfg.prompt_tokens, num_prompts=rcfg.num_prompts,
