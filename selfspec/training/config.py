@@ -170,11 +170,11 @@ def to_args(cfg: Any) -> list[str]:
     words: list[str] = []
     for f in cli_fields(type(cfg)):
         value = getattr(cfg, f.name)
-        default = None if f.default is MISSING else f.default
         if f.default_factory is not MISSING:  # type: ignore[misc]
             default = f.default_factory()  # type: ignore[misc]
-        if value is None or (value == default and f.default is not MISSING or
-                             value == default and f.default_factory is not MISSING):  # type: ignore[misc]
+        else:
+            default = f.default  # MISSING for a required field: never equal to a value
+        if value is None or value == default:
             continue
         if isinstance(value, bool):
             words.append(flag(f))
