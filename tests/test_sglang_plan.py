@@ -56,6 +56,10 @@ def test_planned_greedy_equals_ar_burst(server, heldout_ids, ar_reference):
     check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=True)
     assert WIDTHS <= _widths_logged(server), _widths_logged(server)
     assert wait_tokens_zero(server.base_url) == 0
+    # the AR bucket's one-token steps ran as SGLang's own decode forward
+    from sglang_fixtures import internal_state
+
+    assert internal_state(server.base_url)["selfspec"]["plain_decode_steps"] > 0
 
 
 def test_planned_sampling_matches_the_ar_servers_sampling(server, ar_reference):

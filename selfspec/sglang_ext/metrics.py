@@ -69,6 +69,7 @@ class AggregateStats:
         self.window_time = 0.0
         self.window_width = 0  # sum of the steps' forward widths (a width plan varies it)
         self.last_step_width = 0
+        self.plain_decode_steps = 0  # one-token steps run as SGLang's own decode forward
         self._gauges = None
         self._last_log = time.monotonic()
 
@@ -99,6 +100,7 @@ class AggregateStats:
         out["requests"] = self.num_finished
         out["mode"] = self.algorithm
         out["last_step_width"] = self.last_step_width
+        out["plain_decode_steps"] = self.plain_decode_steps
         return out
 
     def flush(self) -> None:
