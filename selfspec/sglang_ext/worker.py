@@ -354,8 +354,7 @@ class SelfSpecWorker(BaseSpecWorker):
     def _plain_decode_forward(self, batch: ScheduleBatch, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor):
         """A step of one token per request (a width plan's AR bucket) as SGLang's own decode
         forward: its decode attention path instead of the verify path with a step mask, which
-        costs a width-1 step more than the AR server's step (measured 6.7 ms vs about 5 ms at
-        batch 1 on this CPU). Decode reads each request's length including the token being
+        costs a width-1 step more (README, "Re-tuned and re-measured"). Decode reads each request's length including the token being
         written, which the reserved slot at seq_len already holds room for; the logits are
         returned unsampled (is_verify) and decided by the mode like any other step's."""
         saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info)

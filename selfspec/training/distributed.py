@@ -98,12 +98,34 @@ def global_mean(total: torch.Tensor, count: torch.Tensor | float | int) -> torch
     """A mean over the counted positions of every process's rows (see the module docstring).
 
     The returned tensor back-propagates the right gradient under DDP's averaging; its value on
-    each process is its own contribution (`value_of` gives the whole batch's mean)."""
+    each process is its own contribution (`global_value` gives the whole batch's mean)."""
     if not data_parallel():
         return total / count
     _, world = rank_and_world()
     all_count = float(all_reduce_sum(count))
     return total * world / max(all_count, 1e-8)  # 0 / 0 (nothing counted anywhere) is 0
+
+
+def global_mean_and_value(total: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`global_mean` and the whole batch's mean (detached) from one all-reduce of (sum, count)."""
+    if not data_parallel():
+        loss = total / count
+        return loss, loss.detach()
+    _, world = rank_and_world()
+    both = all_reduce_sum(torch.stack([total.detach().double().cpu(), torch.tensor(float(count), dtype=torch.float64)]))
+    all_count = max(float(both[1]), 1e-8)
+    return total * world / all_count, (both[0] / all_count).float()
+
+
+def mean_over_positions(per: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The (weighted) mean of per-position values: over this process's positions alone with one
+    process, over every process's positions (`global_mean`) with several."""
+    if weight is None:
+        return global_mean(per.sum(), per.numel()) if data_parallel() else per.mean()
+    weight = weight.float()
+    if data_parallel():
+        return global_mean((per * weight).sum(), weight.sum())
+    return (per * weight).sum() / weight.sum().clamp(min=1e-8)
 
 
 def global_value(total: torch.Tensor, count: torch.Tensor | float | int) -> float:

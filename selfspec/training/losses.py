@@ -38,7 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.training.distributed import all_reduce_sum, data_parallel, global_mean, global_value
+from selfspec.training.distributed import (
+    all_reduce_sum, data_parallel, global_mean_and_value, global_value, mean_over_positions,
+)
 
 IGNORE_INDEX = -100
 AUTO_BALANCE_EPS = 1e-8
@@ -72,8 +74,8 @@ def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch
     total = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    loss = global_mean(total, count)
-    return loss, torch.tensor(global_value(total, count)) if data_parallel() else loss.detach(), count
+    loss, value = global_mean_and_value(total, count)
+    return loss, value, count
 
 
 @dataclass
@@ -98,8 +100,7 @@ def self_distill_ce(mask_logits: torch.Tensor, clean_logits: torch.Tensor, label
         return mask_logits.sum() * 0.0
     target = torch.softmax(clean_logits[valid].detach().float(), dim=-1)
     logq = torch.log_softmax(mask_logits[valid].float(), dim=-1)
-    per = -(target * logq).sum(-1)
-    return global_mean(per.sum(), per.numel()) if data_parallel() else per.mean()
+    return mean_over_positions(-(target * logq).sum(-1))
 
 
 def ar_anchor_kl(clean_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -110,8 +111,7 @@ def ar_anchor_kl(clean_logits: torch.Tensor, teacher_logits: torch.Tensor, label
         return clean_logits.sum() * 0.0
     log_t = torch.log_softmax(teacher_logits[valid].detach().float(), dim=-1)
     log_s = torch.log_softmax(clean_logits[valid].float(), dim=-1)
-    per = (log_t.exp() * (log_t - log_s)).sum(-1)
-    return global_mean(per.sum(), per.numel()) if data_parallel() else per.mean()
+    return mean_over_positions((log_t.exp() * (log_t - log_s)).sum(-1))
 
 
 def clean_loss_scale(mask_ce: torch.Tensor, clean_ce: torch.Tensor, balance: str, ce_scale: float) -> float:
@@ -191,12 +191,7 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     else:
         log_m = torch.logsumexp(torch.stack([log_t + math.log(beta), log_s + math.log(1 - beta)]), 0)
         per = beta * kl(log_t, log_m) + (1 - beta) * kl(log_s, log_m)
-    if mask is None:
-        return global_mean(per.sum(), per.numel()) if data_parallel() else per.mean()
-    mask = mask.float()
-    if data_parallel():
-        return global_mean((per * mask).sum(), mask.sum())
-    return (per * mask).sum() / mask.sum().clamp(min=1e-8)
+    return mean_over_positions(per, mask)
 
 
 def varkd_lite(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tokens: torch.Tensor,
@@ -222,7 +217,6 @@ def varkd_lite(student_logits: torch.Tensor, teacher_logits: torch.Tensor, token
     target = top_vals / top_vals.sum(-1, keepdim=True)  # over the teacher's top-k codes only
     log_s = torch.log_softmax(student_logits.float(), -1).gather(-1, top_idx)
     per = (target * (target.clamp_min(1e-12).log() - log_s)).sum(-1)
-    if data_parallel():
-        return global_mean((per * weight).sum(), weight.sum()), global_value(selected.sum(), supervised.sum())
-    loss = (per * weight).sum() / weight.sum().clamp(min=1e-8)
-    return loss, float(selected.sum()) / max(1, int(supervised.sum()))
+    share = global_value(selected.sum(), supervised.sum()) if data_parallel() else \
+        float(selected.sum()) / max(1, int(supervised.sum()))
+    return mean_over_positions(per, weight), share
