@@ -15,7 +15,7 @@ import torch
 
 from selfspec.decoding.logits_rules import apply_logits_rules
 from selfspec.decoding.sampling import SamplingParams, logits_to_probs
-from selfspec.decoding.step import DecodeSequence, StepLayout, collate
+from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, collate
 from selfspec.engines.hf import HFEngine
 from selfspec.engines.testing import add_mask_token, tiny_qwen3
 
@@ -176,6 +176,52 @@ def test_grammar_constrained_modes_equal_ar(base_engine, grammar):
     for o in ar:  # what AR emitted under the grammar is accepted by a fresh copy of it
         g = fresh()[0]
         assert g.commit(o.token_ids) == len(o.token_ids)
-    for mode, config in [("ngram", None), ("jacobi", None), ("sjd", {"context_tokens": 4})]:
+    for mode, config in [("ngram", None), ("jacobi", None), ("sjd", {"context_tokens": 4}),
+                         ("isd", {"stride": 3, "context_tokens": 4})]:
         got = eng.generate(prompts, 20, mode=mode, mode_config=config, grammars=fresh())
         assert [o.token_ids for o in got] == [o.token_ids for o in ar], mode
+
+
+class EvenTokens:
+    """A stand-in grammar: only even token ids, whatever came before."""
+
+    def allowed(self, path, vocab):
+        return torch.arange(vocab) % 2 == 0
+
+    def accepts(self, path):
+        return next((i for i, t in enumerate(path) if t % 2), len(path))
+
+
+def test_drafts_stop_at_the_first_token_the_grammar_rejects():
+    from selfspec.decoding.isd import ISDConfig, ISDMode
+    from selfspec.decoding.logits_rules import grammar_valid
+
+    seq = DecodeSequence([1, 2, 4, 6, 8, 2, 4, 6], constraint=EvenTokens())
+    assert grammar_valid(seq, [8, 2, 3, 4]) == [8, 2]
+    assert grammar_valid(DecodeSequence([1]), [3, 5]) == [3, 5]  # no grammar: untouched
+    # ISD's context candidate (what followed "4 6" before: 8 2 4 6 ...) is cut where the grammar
+    # stops it, so the step verifies fewer query tokens
+    mode = ISDMode(ISDConfig(stride=2, context_tokens=4, fixed_width=False), mask_token_id=99)
+    seq = DecodeSequence([2, 4, 6, 8, 3, 5, 4, 6], constraint=EvenTokens())
+    mode.start(seq)
+    free = DecodeSequence(list(seq.history))
+    mode.start(free)
+    cut, whole = mode.layouts([seq])[0], mode.layouts([free])[0]
+    assert len(cut) < len(whole)
+    assert 3 not in cut.tokens and 3 in whole.tokens
+
+
+def test_isd_proposes_only_what_the_grammar_allows():
+    from selfspec.decoding.isd import ISDConfig, ISDMode
+
+    mode = ISDMode(ISDConfig(stride=4), mask_token_id=99)
+    gen = torch.Generator().manual_seed(0)
+    for temperature in (0.0, 1.0):
+        seq = DecodeSequence([2, 4], SamplingParams(temperature=temperature), constraint=EvenTokens())
+        ctx = StepContext.from_params([seq.sampling], torch.arange(mode.seeds_per_step).unsqueeze(0))
+        rows = torch.randn(3, 50, generator=gen)
+        rows[:, 1::2] += 5.0  # odd tokens are the likely ones
+        proposals, q = mode._grammar_proposals(seq, [6], rows, ctx)
+        assert len(proposals) == 3 and all(t % 2 == 0 for t in proposals)
+        if temperature:
+            assert q.shape == (3, 50) and float(q[:, 1::2].sum()) == 0.0

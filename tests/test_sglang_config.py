@@ -221,6 +221,19 @@ def test_real_server_fails_fast_with_message(tiny_base_path):
     assert "Uvicorn running" not in out
 
 
+def test_watermarking_passes_sglangs_start_up_check_with_its_other_rules(tiny_base_path):
+    """SGLang allows --enable-watermark only with --device cuda and NGRAM / EAGLE; the plugin
+    lets the selfspec modes (and the CPU engine) through and keeps every other rule."""
+    for extra in (["--speculative-algorithm", "ISD"], ["--speculative-algorithm", "SJD"], []):
+        resolve_in_process(_argv(tiny_base_path, *extra, "--enable-watermark")).check_server_args()
+    with pytest.raises(ValueError, match="incompatible with --enable-custom-logit-processor"):
+        resolve_in_process(_argv(tiny_base_path, "--speculative-algorithm", "ISD", "--enable-watermark",
+                                 "--enable-custom-logit-processor")).check_server_args()
+    with pytest.raises(ValueError, match="key_b requires a server key"):
+        resolve_in_process(_argv(tiny_base_path, "--speculative-algorithm", "SJD", "--enable-watermark",
+                                 "--watermark-config", '{"key_b": "ab"}')).check_server_args()
+
+
 def test_parallel_settings_are_accepted_for_every_mode(tiny_base_path, good_adapter, monkeypatch):
     """Tensor and data parallelism pass the start-up checks in every mode, RISD included (served
     and compared in tests/test_sglang_parallel.py); only DP attention and PP are refused."""

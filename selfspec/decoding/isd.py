@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.decoding.logits_rules import grammar_valid, mask_disallowed
 from selfspec.decoding.ngram import SuffixIndex, match_sizes
 from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
@@ -61,6 +62,9 @@ class ISDConfig:
     # paper's). Greedy rows propose by argmax either way; sampling measured higher acceptance
     # on tiny-idlm at T=0.7 (README "Context candidates and sampled proposals").
     proposal: str = "sample"
+    # under a grammar, each proposal is drawn from its MASK row masked by what the grammar allows
+    # after the tokens before it (bench/grammar_proposals.py measures what it buys)
+    grammar_proposals: bool = True
 
     def __post_init__(self) -> None:
         if self.stride < 2:
@@ -141,6 +145,7 @@ class ISDMode(Mode):
             st = s.state
             st.plan = None
             candidate = st.index.propose(s.history, cfg.context_tokens) if st.index is not None else []
+            candidate = grammar_valid(s, candidate)
             if candidate and candidate != st.proposals[: len(candidate)]:
                 width = self.max_width if cfg.fixed_width else None
                 lay, st.plan = build_tree_layout(s.pending, st.proposals, candidate, cfg.stride, self.mask_token_id,
@@ -181,19 +186,38 @@ class ISDMode(Mode):
             step = consume(s.state.proposals, a, t, proposals[b])
             s.state.proposals = step.proposals
             s.state.proposal_probs = probs[b] if step.proposals and probs is not None else None
+            if step.proposals and s.constraint is not None and self.config.grammar_proposals:
+                s.state.proposals, s.state.proposal_probs = self._grammar_proposals(
+                    s, step.emit, mask_logits[b], ctx.select(torch.tensor([b], device=device)))
             outcomes.append(StepOutcome(step.emit, step.keep, a))
         return outcomes
 
-    def _propose(self, mask_logits: torch.Tensor, ctx: StepContext) -> tuple[list[list[int]], list | None]:
-        """The next proposals from MASK rows [B, N-1, V]: argmax, or drawn from q (the request's
-        sampling distribution of the MASK rows) for sampled rows under proposal="sample"; then
-        also each sampled row's q (None for rows whose proposals are one-hot)."""
+    def _propose(self, mask_logits: torch.Tensor, ctx: StepContext, first: int = 0
+                 ) -> tuple[list[list[int]], list | None]:
+        """The next proposals from MASK rows [B, N-1, V] (rows first, first + 1, ... of them):
+        argmax, or drawn from q (the request's sampling distribution of the MASK rows) for
+        sampled rows under proposal="sample"; then also each sampled row's q (None for rows
+        whose proposals are one-hot)."""
         if self.config.proposal != "sample" or ctx.all_greedy:
             return mask_logits.argmax(-1).tolist(), None
         q = ctx.probs(mask_logits)
-        seeds = ctx.seeds[:, self.verify_seeds : self.verify_seeds + mask_logits.shape[1]]
+        start = self.verify_seeds + first
+        seeds = ctx.seeds[:, start : start + mask_logits.shape[1]]
         drawn = sample_from_probs(q, seeds).tolist()
         return drawn, [None if g else q[b] for b, g in enumerate(ctx.greedy.tolist())]
+
+    def _grammar_proposals(self, seq: DecodeSequence, emitted: list[int], mask_rows: torch.Tensor,
+                           ctx: StepContext) -> tuple[list[int], torch.Tensor | None]:
+        """Proposals the sequence's grammar allows: one position at a time, each MASK row [N-1, V]
+        masked along the emitted tokens and the proposals before it (a proposal the grammar
+        rejects could never be accepted); their q is the masked rows' distribution."""
+        proposals, qs = [], []
+        for i in range(mask_rows.shape[0]):
+            row = mask_disallowed(mask_rows[i], seq, emitted + proposals)
+            drawn, q = self._propose(row.view(1, 1, -1), ctx, first=i)
+            proposals.append(drawn[0][0])
+            qs.append(q[0] if q is not None else None)
+        return proposals, (torch.cat(qs) if qs[0] is not None else None)
 
     def _finish_tree(self, seq: DecodeSequence, logits: torch.Tensor, ctx: StepContext) -> StepOutcome:
         """A step with a candidate branch (`tree_verify`): the winning path's drafts, then the
@@ -207,7 +231,9 @@ class ISDMode(Mode):
         tail = plan.tail_rows[res.path]
         whole = res.accepted == len(path.tokens)
         seq.state.proposals, seq.state.proposal_probs = [], None
-        if whole and tail is not None:
+        if whole and tail is not None and seq.constraint is not None and self.config.grammar_proposals:
+            seq.state.proposals, seq.state.proposal_probs = self._grammar_proposals(seq, emit, logits[tail], ctx)
+        elif whole and tail is not None:
             proposals, probs = self._propose(logits[tail].unsqueeze(0), ctx)
             seq.state.proposals = proposals[0]
             seq.state.proposal_probs = probs[0] if probs is not None else None

@@ -44,6 +44,11 @@ class TokenConstraint(Protocol):
         (the state is left as it was); None when `path` cannot be followed."""
         ...
 
+    def accepts(self, path: Sequence[int]) -> int:
+        """How many leading tokens of `path` the grammar accepts after the committed output
+        (the state is left as it was)."""
+        ...
+
 
 def bitmask_to_bool(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """int32 [ceil(V / 32)] bitmask (bit j of word w: token 32w + j allowed; xgrammar's layout)
@@ -88,14 +93,48 @@ class GrammarWalk:
             if walked:
                 grammar.rollback(walked)
 
+    def accepts(self, path: Sequence[int]) -> int:
+        grammar = self.get_grammar()
+        if grammar is None:
+            return len(path)
+        walked = 0
+        try:
+            for token in path:
+                if token == self.skip_token or grammar.is_terminated():
+                    break
+                grammar.accept_token(int(token))
+                walked += 1
+        except ValueError:  # the first token the grammar rejects
+            pass
+        finally:
+            if walked:
+                grammar.rollback(walked)
+        return walked
+
+
+def grammar_valid(seq: DecodeSequence, drafts: list[int]) -> list[int]:
+    """`drafts` (for the positions after the pending token) cut at the first token the
+    sequence's grammar rejects: no forward spends query tokens on drafts that cannot be accepted."""
+    if seq.constraint is None or not drafts:
+        return drafts
+    return drafts[: seq.constraint.accepts(drafts)]
+
+
+def mask_disallowed(row: torch.Tensor, seq: DecodeSequence, path: Sequence[int]) -> torch.Tensor:
+    """A logits row [V] for the position after the committed output + `path`, with what the
+    sequence's grammar rejects there at -inf (unchanged without a grammar, or off its path)."""
+    if seq.constraint is None:
+        return row
+    allowed = seq.constraint.allowed(path, row.shape[-1])
+    return row if allowed is None else row.masked_fill(~allowed.to(row.device), float("-inf"))
+
 
 def _row_paths(batch: StepBatch | None, b: int, rows: int) -> list[list[int]]:
     """Each query row's ancestor tokens in the step (the pending token excluded), in order."""
     if batch is None:
         return [[] for _ in range(rows)]
-    sees = batch.local[b, :rows, 1:].cpu()
-    tokens = batch.tokens[b, 1:].tolist()
-    return [[tokens[j] for j in sees[i].nonzero().flatten().tolist()] for i in range(rows)]
+    tokens = batch.tokens[b].tolist()
+    return [[tokens[j] for j in seen] for seen in batch.seen(b, rows)]
 
 
 def _ancestor_counts(batch: StepBatch | None, b: int, rows: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:

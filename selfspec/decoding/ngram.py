@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.decoding.logits_rules import grammar_valid
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
@@ -102,7 +103,7 @@ class NgramMode(Mode):
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         out = []
         for s in seqs:
-            s.state.drafts = s.state.index.propose(s.history, self.config.num_draft)
+            s.state.drafts = grammar_valid(s, s.state.index.propose(s.history, self.config.num_draft))
             out.append(StepLayout([s.pending, *s.state.drafts]))
         return out
 

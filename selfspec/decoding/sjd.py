@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.decoding.logits_rules import grammar_valid
 from selfspec.decoding.ngram import SuffixIndex, match_sizes
 from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
@@ -116,6 +117,7 @@ class SJDMode(Mode):
             st = s.state
             st.plan = None
             candidate = st.index.propose(s.history, self.config.context_tokens) if st.index is not None else []
+            candidate = grammar_valid(s, candidate)
             if candidate and candidate != st.drafts[: len(candidate)]:
                 lay, st.plan = build_branches(s.pending, [(st.drafts, 0), (candidate, 0)], s.pending)
                 lay.gate = None

@@ -40,6 +40,7 @@ class DecodeSequence:
     prompt_len: int = -1  # history[:prompt_len] is the prompt (-1: all of the initial history)
     stop_ids: frozenset[int] = frozenset()  # what min_new_tokens holds back
     constraint: Any = None  # a `logits_rules.TokenConstraint` (grammar), or None
+    watermark: Any = None  # a `watermark.SequenceWatermark`, or None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -77,6 +78,12 @@ class StepBatch:
     @property
     def width(self) -> int:
         return self.tokens.shape[1]
+
+    def seen(self, b: int, rows: int) -> list[list[int]]:
+        """For each query row i < rows of sequence b, the step indices after the pending token
+        that it sees, in order (itself included for i >= 1): its path from the pending token."""
+        sees = self.local[b, :rows, 1:].cpu()
+        return [(sees[i].nonzero().flatten() + 1).tolist() for i in range(rows)]
 
 
 def branch_visibility(branch: torch.Tensor) -> torch.Tensor:

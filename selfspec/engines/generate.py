@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.decoding import watermark
 from selfspec.decoding.ar import next_tokens
 from selfspec.decoding.logits_rules import GrammarWalk
 from selfspec.decoding.metrics import SequenceMetrics
@@ -89,6 +90,7 @@ def generate_batch(
     logprobs: bool = False,
     grammars: Sequence | None = None,
     mask_token: int | None = None,
+    watermarks: Sequence[watermark.WatermarkConfig | None] | None = None,
 ) -> list[GenerationOutput]:
     n = len(prompts)
     progress = [SequenceProgress(max_new_tokens, stops) for _ in range(n)]
@@ -103,6 +105,9 @@ def generate_batch(
     seqs = [DecodeSequence(list(p), sp, stop_ids=frozenset(stops),
                            constraint=GrammarWalk(lambda g=g: g, mask_token) if g is not None else None)
             for p, sp, g in zip(prompts, params, grammars)]
+    for seq, wm in zip(seqs, watermarks or ()):
+        if wm is not None:
+            seq.watermark = watermark.SequenceWatermark(wm, skip_token=mask_token)
 
     def commit(i: int, tokens: list[int]) -> int:
         """Emit tokens through the stop conditions; a grammar that terminates ends the sequence
@@ -132,13 +137,13 @@ def generate_batch(
     logits = runner.process(prompt_logits[torch.arange(n, device=dev), last].unsqueeze(1), seqs, None)
     ctx = StepContext.from_params(params, step_seeds(base, counter, 1), ops)
     counter += 1
-    first = next_tokens(logits[:, 0], ctx)
+    first = next_tokens(watermark.force(logits, seqs, None)[:, 0], ctx)
     cache.commit([list(range(len(p))) for p in prompts])
-    outcomes = []
+    outcomes = [StepOutcome([tok], [0], 0) for tok in first.tolist()]
+    watermark.commit(seqs, outcomes)
     for i, tok in enumerate(first.tolist()):
         metrics[i].record_prefill(commit(i, [tok]))
         seqs[i].history.append(tok)
-        outcomes.append(StepOutcome([tok], [0], 0))
     record(0, list(range(n)), layouts, outcomes, logits)
 
     active = list(range(n))
@@ -156,7 +161,9 @@ def generate_batch(
         logits = runner.process(runner.forward(cache, batch), rows, batch)
         ctx = StepContext.from_params(act_params, step_seeds(base, counter, mode.seeds_per_step), ops)
         counter = counter + mode.seeds_per_step
-        outcomes = mode.finish(rows, batch, logits, ctx)
+        # watermarked rows decide by their forced token; logprobs and callbacks see the logits before
+        outcomes = mode.finish(rows, batch, watermark.force(logits, rows, batch), ctx)
+        watermark.commit(rows, outcomes)
         keeps = []
         for i, lay, out in zip(active, layouts, outcomes):
             if len(out.keep) != len(out.emit):

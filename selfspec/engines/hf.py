@@ -188,10 +188,13 @@ class HFEngine:
         logprobs: bool = False,
         plan: Any = None,
         grammars: Sequence | None = None,
+        watermarks: Sequence | None = None,
     ) -> list[GenerationOutput]:
         """`callbacks` see every step (`generate.StepEvent`); `logprobs=True` fills each output's
         per-token log-probabilities (see `engines/generate.py`); `plan`: see `build_mode`;
-        `grammars`: per prompt an `engines.grammar.XGrammar` (or None), fresh for this call."""
+        `grammars`: per prompt an `engines.grammar.XGrammar` (or None), fresh for this call;
+        `watermarks`: per prompt a `decoding.watermark.WatermarkConfig` (or None): SGLang's text
+        watermark on sampled requests (`decoding/watermark.py`)."""
         prompts = [list(map(int, p)) for p in prompt_ids]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -205,6 +208,8 @@ class HFEngine:
             raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {bad}")
         if grammars is not None and len(grammars) != n:
             raise ValueError(f"got {len(grammars)} grammars for {n} prompts")
+        if watermarks is not None and len(watermarks) != n:
+            raise ValueError(f"got {len(watermarks)} watermarks for {n} prompts")
         seeds = base_seeds(seed, n)
         stops = normalize_stop_ids(self.default_stop_ids() if stop_token_ids is None else stop_token_ids)
         mode_obj = self.build_mode(mode, mode_config, plan)
@@ -220,7 +225,8 @@ class HFEngine:
                 cache = SlotKVCache(self.num_layers, len(batch_prompts), capacity, self.device, self.dtype)
                 outs.extend(generate_batch(self.runner, mode_obj, batch_prompts, params[sl], seeds[sl], stops,
                                            max_new_tokens, cache, self.verify_ops, callbacks, logprobs,
-                                           grammars[sl] if grammars is not None else None, self.mask_token_id))
+                                           grammars[sl] if grammars is not None else None, self.mask_token_id,
+                                           watermarks[sl] if watermarks is not None else None))
         return outs
 
     # ------------------------------------------------------------------ conveniences

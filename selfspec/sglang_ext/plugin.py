@@ -19,11 +19,12 @@ def register() -> None:
 
     distributed.install()  # --tp-size > 1 on the CPU engine: gloo instead of PyNccl
 
-    from selfspec.sglang_ext import attention, cli_args, lora, metrics, registration, request_checks
+    from selfspec.sglang_ext import attention, cli_args, lora, metrics, registration, request_checks, watermark
 
     registration.register_algorithms()  # --speculative-algorithm ISD | RISD | JACOBI | SJD
     cli_args.install()  # --selfspec-* flags on SGLang's command line
     attention.install()  # TARGET_VERIFY for the torch_native (CPU) attention backend
     lora.install()  # RISD: per-token gated LoRA inside SGLang's linear layers
     metrics.install()  # per-request TPF / accepted length in meta_info
+    watermark.install()  # --enable-watermark with the selfspec algorithms, and on the CPU engine
     request_checks.install()  # 400 for what a mode cannot honour (sampling with JACOBI, penalties, ...)

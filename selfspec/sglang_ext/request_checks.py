@@ -2,10 +2,11 @@
 
 An AFTER hook on SGLang's `SamplingParams.verify` (run by the tokenizer manager on every
 request, whose ValueError becomes a 400 response) rejects, when the server runs a selfspec
-mode: sampling with JACOBI (greedy only: its guarantee is exactly greedy AR), watermarking and
-beam search. Everything else a plain server takes is served: penalties, min_p, logit_bias,
-min_new_tokens and grammars (`selfspec.decoding.logits_rules`, `selfspec.sglang_ext.grammar`),
-logprobs (`selfspec.sglang_ext.logprobs`) and custom logit processors (the worker).
+mode: sampling with JACOBI (greedy only: its guarantee is exactly greedy AR) and beam search.
+Everything else a plain server takes is served: penalties, min_p, logit_bias, min_new_tokens
+and grammars (`selfspec.decoding.logits_rules`, `selfspec.sglang_ext.grammar`), logprobs
+(`selfspec.sglang_ext.logprobs`), custom logit processors (the worker) and watermarking
+(`selfspec.decoding.watermark`, `selfspec.sglang_ext.watermark`).
 """
 
 from __future__ import annotations
@@ -30,13 +31,8 @@ def check_sampling_params(sp, algorithm: str) -> None:
         sampled = ", ".join(s.sglang_algorithm for s in registry.SGLANG_ALGORITHMS.values() if not s.greedy_only)
         raise ValueError(f"{algorithm} decoding is greedy only (it reproduces greedy AR exactly): send temperature 0, "
                          f"or serve --speculative-algorithm {sampled} for sampling")
-    unsupported = []
-    if getattr(sp, "watermark", None):
-        unsupported.append("watermark")
     if (getattr(sp, "beam_width", None) or 1) > 1:
-        unsupported.append("beam search (beam_width)")
-    if unsupported:
-        raise ValueError(f"{algorithm} (selfspec) does not support {', '.join(unsupported)}; remove them or use a "
+        raise ValueError(f"{algorithm} (selfspec) does not support beam search (beam_width); remove it or use a "
                          "server without --speculative-algorithm")
 
 

@@ -43,11 +43,12 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from selfspec.decoding import seeds as seedmod
+from selfspec.decoding import watermark
 from selfspec.decoding.ar import next_tokens as ar_next_tokens
 from selfspec.decoding.logits_rules import apply_logits_rules
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.decoding.sampling import SamplingParams
-from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, collate
+from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, StepOutcome, collate
 from selfspec.engines.kernel_choice import verify_ops
 from selfspec.kernels.lora_gate import gated
 from selfspec.sglang_ext import config as cfgmod
@@ -55,6 +56,7 @@ from selfspec.sglang_ext import lora as loramod
 from selfspec.sglang_ext.grammar import request_constraint
 from selfspec.sglang_ext.logprobs import write_decode_logprobs, write_prefill_logprobs
 from selfspec.sglang_ext import metrics as metricsmod
+from selfspec.sglang_ext.watermark import request_watermark
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +238,10 @@ class SelfSpecWorker(BaseSpecWorker):
                                     None)[:, 0]
         logits = _custom_processors(batch, logits, 1)
         ctx = self._context(states, 1)
-        tokens = ar_next_tokens(logits, ctx)
-        if batch.return_logprob:
+        seqs = [st.seq for st in states]
+        tokens = ar_next_tokens(watermark.force(logits.unsqueeze(1), seqs, None)[:, 0], ctx)
+        watermark.commit(seqs, [StepOutcome([t], [0]) for t in tokens.tolist()])
+        if batch.return_logprob:  # the logits before any watermark forcing, as SGLang reports them
             write_prefill_logprobs(batch, result.logits_output, logits, tokens)
         for req, st, tok in zip(batch.reqs, states, tokens.tolist()):
             st.seq.history.append(int(tok))
@@ -257,16 +261,23 @@ class SelfSpecWorker(BaseSpecWorker):
         """The state of a request being prefilled. A retracted request comes back with its output
         so far and is prefilled again: its seed counter carries on (a restart at 0 would reuse
         the uniforms its earlier tokens used), and so do its metrics."""
-        st = RequestState(sequence_from_req(req, self.cfg.mask_token_id), base_seed_for(req), req=req)
+        st = self._new_state(req)
         old = self.states.get(req.rid)
         if old is not None and req.output_ids:
             st.counter, st.metrics = old.counter, old.metrics
+            if st.seq.watermark is not None and old.seq.watermark is not None:
+                st.seq.watermark.forced = old.seq.watermark.forced
+        return st
+
+    def _new_state(self, req) -> RequestState:
+        st = RequestState(sequence_from_req(req, self.cfg.mask_token_id), base_seed_for(req), req=req)
+        st.seq.watermark = request_watermark(req, getattr(self, "model_runner", None), self.cfg.mask_token_id)
         return st
 
     def _state_for(self, req) -> RequestState:
         st = self.states.get(req.rid)
         if st is None:  # e.g. state dropped by clear_cache_pool: rebuild from what SGLang holds
-            st = RequestState(sequence_from_req(req, self.cfg.mask_token_id), base_seed_for(req), req=req)
+            st = self._new_state(req)
             self.mode.start(st.seq)
             self.states[req.rid] = st
         return st
@@ -314,7 +325,9 @@ class SelfSpecWorker(BaseSpecWorker):
         t2 = time.perf_counter()
 
         ctx = self._context(states, self.mode.seeds_per_step)
-        outcomes = self.mode.finish(seqs, step, logits, ctx)
+        # watermarked rows decide by their forced token; logprobs report the logits before
+        outcomes = self.mode.finish(seqs, step, watermark.force(logits, seqs, step), ctx)
+        watermark.commit(seqs, outcomes)
         if batch.return_logprob:
             write_decode_logprobs(batch, result.logits_output, logits, outcomes, self.width)
 
