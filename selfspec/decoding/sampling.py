@@ -128,17 +128,29 @@ def logits_to_probs(
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """Draw one token per row of probs [..., V] by Gumbel-max with counter-based noise.
+    """Draw one token per row of probs [..., V] from one counter-based uniform per row.
 
-    The noise for vocab entry v of a row is `rng.gumbel(seed, v + 1)`, the convention the
-    verify rules use for their correction / bonus draw, so AR sampling and a speculative bonus
-    token given the same seed are the same draw. seeds has probs' leading shape.
+    u = `rng.uniform(seed, 0)`; the token is the one whose interval of the cumulative
+    distribution (token-id order, scaled to the row's total) holds u; a zero-probability token
+    never wins. float32 rounding moves interval ends by ~1e-7 of the mass, the resolution of the
+    23-bit uniform itself. One hash per row rather than one per vocabulary entry (a Gumbel-max
+    draw hashes all V, which made sampling a large share of a served AR step on a CPU). The
+    verify rules keep their own Gumbel convention (`verify.py`, offsets v + 1, shared with the
+    Triton kernels); this draw uses offset 0, so the two never share a uniform. seeds has
+    probs' leading shape.
     """
     from selfspec.decoding import rng
 
     vocab = probs.shape[-1]
-    noise = rng.gumbel(seeds.unsqueeze(-1), torch.arange(1, vocab + 1, device=probs.device))
-    return (probs.log() + noise).argmax(dim=-1)
+    cdf = probs.float().cumsum(-1)
+    u = rng.uniform(seeds, torch.zeros_like(seeds))
+    target = (u * cdf[..., -1]).unsqueeze(-1)
+    token = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1).clamp_(max=vocab - 1)
+    missed = probs.gather(-1, token.unsqueeze(-1)).squeeze(-1) <= 0  # u * total rounded up to the total
+    if bool(missed.any()):
+        last = vocab - 1 - (probs > 0).flip(-1).int().argmax(-1)
+        token = torch.where(missed, last, token)
+    return token
 
 
 def sample(
