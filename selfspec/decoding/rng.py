@@ -17,14 +17,31 @@ _M1 = 0x85EBCA6B
 _M2 = 0xC2B2AE35
 
 
+def _wrap32(x: torch.Tensor) -> torch.Tensor:
+    """int64 holding a value in [0, 2^32) -> int32 with the same 32 bits."""
+    x = x & _MASK32
+    return (x - ((x >> 31) << 32)).to(torch.int32)
+
+
+def _i32(c: int) -> torch.Tensor:
+    return torch.tensor(c - (1 << 32) if c >= 1 << 31 else c, dtype=torch.int32)
+
+
+def _hash_i32(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The hash's 32 bits in an int32 tensor. int32 adds and multiplies wrap modulo 2^32 like
+    the uint32 Triton code (right shifts are masked to be logical); the full-vocabulary draws
+    hash [B, V] elements, and int32 halves the memory traffic of int64."""
+    x = _wrap32((seed.long() & _MASK32) * _GOLDEN) + _wrap32(offset.long())
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _i32(_M1)
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * _i32(_M2)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
 def hash_u32(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    x = ((seed.long() & _MASK32) * _GOLDEN + offset.long()) & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * _M1) & _MASK32
-    x = x ^ (x >> 13)
-    x = (x * _M2) & _MASK32
-    x = x ^ (x >> 16)
-    return x
+    """The 32-bit hash as int64 in [0, 2^32)."""
+    return _hash_i32(seed, offset).long() & _MASK32
 
 
 def uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -33,7 +50,7 @@ def uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     23 bits, not 24: (2^24 - 0.5) / 2^24 rounds to exactly 1.0 in fp32, whose Gumbel noise is
     +inf and would let a zero-probability token win a Gumbel-max draw.
     """
-    return ((hash_u32(seed, offset) >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    return (((_hash_i32(seed, offset) >> 9) & 0x7FFFFF).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
