@@ -117,3 +117,50 @@ def test_plan_round_trips_and_bad_bucket_options_fail_at_build(setup):
     engine = setup[0]
     with pytest.raises(ValueError, match="stride"):
         engine.build_mode("isd", None, [{"max_batch": None, "stride": 1}])
+
+
+def _run_check(check, key, rate, steps):
+    arms = []
+    for _ in range(steps):
+        arm = check.arm(key)
+        arms.append(arm)
+        check.observe(key, arm, rate[arm] * 0.01, 0.01)  # 10 ms steps
+    return arms
+
+
+def test_online_check_runs_the_faster_arm_and_follows_a_change():
+    from selfspec.decoding.width_plan import OnlineCheck, OnlineCheckConfig
+
+    check = OnlineCheck(OnlineCheckConfig(probe_every=20, probe_steps=3, decay=0.5))
+    key = (True, 4)
+    arms = _run_check(check, key, {"plan": 100.0, "ar": 180.0}, 300)
+    assert arms[:6] == ["plan"] * 6 and "ar" in arms[6:9]  # the plan first, then an early AR probe
+    assert arms[100:].count("ar") > 0.85 * 200  # AR measured faster: AR, with plan probes
+    assert 0 < arms[100:].count("plan") < 0.15 * 200
+    arms = _run_check(check, key, {"plan": 150.0, "ar": 100.0}, 300)  # the load changed
+    assert arms[100:].count("plan") > 0.85 * 200
+    assert check.switches == 2
+    assert check.summary()["sampled-4"]["runs"] == "plan"
+    other = _run_check(check, (True, 6), {"plan": 101.0, "ar": 100.0}, 100)  # within the margin: the plan
+    assert other[50:].count("plan") > 0.8 * 50  # (probes of AR aside)
+
+
+def test_planned_mode_falls_back_to_ar_steps_where_they_are_measured_faster(setup):
+    from selfspec.decoding.step import DecodeSequence, StepOutcome
+
+    engine = setup[0]
+    mode = engine.build_mode("isd", None, [{"max_batch": None, "stride": 3}])
+    seqs = [DecodeSequence([1, 2, 3], SamplingParams(temperature=0.7)) for _ in range(4)]
+    chosen = []
+    for _ in range(120):
+        m = mode.choose(seqs)
+        chosen.append(m.name)
+        # ISD: 2 tokens per request in 30 ms; AR: 1 token in 10 ms
+        emitted, seconds = (2, 0.03) if m.name != "ar" else (1, 0.01)
+        mode.observe([StepOutcome([0] * emitted, list(range(emitted)))] * len(seqs), seconds)
+    assert chosen[0] == "isd" and chosen[-40:].count("ar") > 30
+    assert WidthPlan.from_dict({"greedy": PLANS["isd"], "online": False}, "isd").online is None
+    off = engine.build_mode("isd", None, {"greedy": PLANS["isd"], "online": False})
+    assert off.check is None
+    with pytest.raises(ValueError, match="unknown key"):
+        WidthPlan.from_dict({"greedy": PLANS["isd"], "online": {"every": 3}}, "isd")

@@ -230,7 +230,8 @@ def build_planned(mode: str, base_options: dict[str, Any], plan: Any,
             return build("ar", None, resources)
         return build(spec.name, parse_mode_config(spec.name, {**base_options, **bucket.options}), resources)
 
-    return PlannedMode(plan, [one(b) for b in plan.greedy], [one(b) for b in plan.sampled], spec.name)
+    return PlannedMode(plan, [one(b) for b in plan.greedy], [one(b) for b in plan.sampled], spec.name,
+                       ar_mode=build("ar", None, resources))
 
 
 def help_text() -> str:

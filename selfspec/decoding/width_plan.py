@@ -13,10 +13,19 @@ another bucket's mode is started afresh by that mode (`Mode.start` from its comm
 as after prefill), so what it carries over is only committed tokens. The first step after a
 switch is the new mode's opening step (ISD: a propose-only step). The seed columns of a step are
 a prefix of the widest bucket's, so every bucket reads its seeds where it would alone.
+
+The plan is a prediction; `OnlineCheck` verifies it while serving. The serving engine reports
+each step's wall-clock period (`PlannedMode.observe`; the offline engine does not, so its
+choices stay a function of the batch alone); per batch-size class the check keeps the
+measured rate (tokens per second per request) of the bucket's mode and of plain AR steps, runs
+the faster one and now and then probes the other for a few steps. A plan whose speculation does
+not pay on the machine it runs on (the cost model mispredicted, the load is not the tuner's)
+then falls back to AR steps by measurement, at the price of the probes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +47,24 @@ class PlanBucket:
 
 
 @dataclass(frozen=True)
+class OnlineCheckConfig:
+    probe_every: int = 48  # steps on the faster arm between two probes of the other
+    probe_steps: int = 6  # steps per probe (the probed mode's opening step included)
+    decay: float = 0.8  # weight of the past in an arm's rate, per step
+    margin: float = 0.03  # the other arm must be this much faster to take over
+
+    def __post_init__(self) -> None:
+        if self.probe_every < 1 or self.probe_steps < 1:
+            raise ValueError("online check: probe_every and probe_steps must be >= 1")
+        if not 0 <= self.decay < 1 or self.margin < 0:
+            raise ValueError("online check: decay in [0, 1), margin >= 0")
+
+
+@dataclass(frozen=True)
 class WidthPlan:
     greedy: tuple[PlanBucket, ...]  # for batches whose rows are all greedy
     sampled: tuple[PlanBucket, ...]  # for batches with at least one sampled row
+    online: OnlineCheckConfig | None = OnlineCheckConfig()  # None: follow the plan blindly
 
     def bucket(self, batch_size: int, sampled: bool) -> int:
         """Index (in `greedy` or `sampled`) of the bucket serving this batch."""
@@ -51,7 +75,11 @@ class WidthPlan:
         return len(buckets) - 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"greedy": [b.to_dict() for b in self.greedy], "sampled": [b.to_dict() for b in self.sampled]}
+        out: dict[str, Any] = {"greedy": [b.to_dict() for b in self.greedy],
+                               "sampled": [b.to_dict() for b in self.sampled]}
+        if self.online != OnlineCheckConfig():
+            out["online"] = False if self.online is None else dict(vars(self.online))
+        return out
 
     def describe(self) -> str:
         """One line: each list's buckets as `<=N: options`."""
@@ -64,18 +92,109 @@ class WidthPlan:
 
     @staticmethod
     def from_dict(data: Any, mode: str) -> WidthPlan:
-        """A plan from its YAML / JSON form: {greedy: [buckets], sampled: [buckets]} (one list
-        alone serves both), each bucket {max_batch: N | null, mode: M, option: value, ...} in
-        increasing max_batch, the last one open (null). ValueError naming the problem otherwise."""
+        """A plan from its YAML / JSON form: {greedy: [buckets], sampled: [buckets], online: ...}
+        (one list alone serves both), each bucket {max_batch: N | null, mode: M, option: value,
+        ...} in increasing max_batch, the last one open (null); `online`: true (the default),
+        false, or a mapping of `OnlineCheckConfig` fields. ValueError naming the problem otherwise."""
         if isinstance(data, list):
             data = {"greedy": data, "sampled": data}
         if not isinstance(data, dict) or "greedy" not in data:
             raise ValueError("a width plan is {greedy: [buckets], sampled: [buckets]} or one list of buckets")
-        unknown = sorted(set(data) - {"greedy", "sampled"})
+        unknown = sorted(set(data) - {"greedy", "sampled", "online"})
         if unknown:
-            raise ValueError(f"unknown width plan key(s) {unknown}: use greedy and sampled")
+            raise ValueError(f"unknown width plan key(s) {unknown}: use greedy, sampled and online")
         lists = {k: _buckets(data[k], mode, k) for k in ("greedy", "sampled") if data.get(k) is not None}
-        return WidthPlan(lists["greedy"], lists.get("sampled", lists["greedy"]))
+        return WidthPlan(lists["greedy"], lists.get("sampled", lists["greedy"]), _online(data.get("online", True)))
+
+
+def _online(value: Any) -> OnlineCheckConfig | None:
+    if value is True:
+        return OnlineCheckConfig()
+    if value is False or value is None:
+        return None
+    if isinstance(value, dict):
+        fields = set(OnlineCheckConfig.__dataclass_fields__)
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(f"width plan online: unknown key(s) {unknown}; known: {sorted(fields)}")
+        return OnlineCheckConfig(**value)
+    raise ValueError(f"width plan online: true, false or a mapping, got {value!r}")
+
+
+def size_class(batch_size: int) -> int:
+    """Batch sizes grouped at ratio sqrt(2): 1, 2, 3, 4, 5-6, 7-9, 10-13, 14-18, 19-26, 27-36, ..."""
+    return round(2 * math.log2(max(batch_size, 1)))
+
+
+class _Arm:
+    __slots__ = ("tokens", "seconds")
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.seconds > 0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class OnlineCheck:
+    """For each key (sampled or not, batch-size class): which of the plan's mode ("plan") and
+    plain AR steps ("ar") runs, from their measured rates (see module doc). Starts with the
+    plan and probes AR early, so a wrong plan is left within a few dozen steps."""
+
+    def __init__(self, config: OnlineCheckConfig):
+        self.config = config
+        self._arms: dict[Any, dict[str, _Arm]] = {}
+        self._best: dict[Any, str] = {}
+        self._since_probe: dict[Any, int] = {}
+        self._probing: dict[Any, int] = {}  # steps left in the current probe
+        self.switches = 0  # times the faster arm changed
+        self.observations = 0
+
+    def arm(self, key: Any) -> str:
+        """The arm the next step of this key runs (and the probe schedule advanced)."""
+        cfg = self.config
+        best = self._best.setdefault(key, "plan")
+        arms = self._arms.setdefault(key, {"plan": _Arm(), "ar": _Arm()})
+        other = "ar" if best == "plan" else "plan"
+        if self._probing.get(key, 0) > 0:
+            self._probing[key] -= 1
+            return other
+        since = self._since_probe.get(key, 0) + 1
+        wait = cfg.probe_every if arms[other].known else 2 * cfg.probe_steps
+        if since > wait:
+            self._since_probe[key] = 0
+            self._probing[key] = cfg.probe_steps - 1
+            return other
+        self._since_probe[key] = since
+        return best
+
+    def observe(self, key: Any, arm: str, tokens_per_request: float, seconds: float) -> None:
+        self.observations += 1
+        a = self._arms.setdefault(key, {"plan": _Arm(), "ar": _Arm()})[arm]
+        d = self.config.decay
+        a.tokens = d * a.tokens + tokens_per_request
+        a.seconds = d * a.seconds + seconds
+        plan, ar = self._arms[key]["plan"], self._arms[key]["ar"]
+        if not (plan.known and ar.known):
+            return
+        best = self._best.get(key, "plan")
+        m = 1 + self.config.margin
+        new = "ar" if ar.rate > plan.rate * m else "plan" if plan.rate > ar.rate * m else best
+        if new != best:
+            self._best[key] = new
+            self.switches += 1
+
+    def summary(self) -> dict[str, Any]:
+        """Per key, the arm it runs and both measured rates (tokens / s / request)."""
+        return {f"{'sampled' if k[0] else 'greedy'}-{k[1]}": {"runs": self._best.get(k, "plan"),
+                                                                 "plan_rate": round(v["plan"].rate, 2),
+                                                                 "ar_rate": round(v["ar"].rate, 2)}
+                for k, v in self._arms.items()}
 
 
 def _buckets(items: Any, mode: str, name: str) -> tuple[PlanBucket, ...]:
@@ -105,10 +224,16 @@ def _buckets(items: Any, mode: str, name: str) -> tuple[PlanBucket, ...]:
 class PlannedMode(Mode):
     """Runs the mode of the bucket each step's batch falls in (see module doc)."""
 
-    def __init__(self, plan: WidthPlan, greedy_modes: list[Mode], sampled_modes: list[Mode], name: str):
+    def __init__(self, plan: WidthPlan, greedy_modes: list[Mode], sampled_modes: list[Mode], name: str,
+                 ar_mode: Mode | None = None):
+        """`ar_mode`: the plain AR mode the online check runs where it measures AR faster (the
+        check is off without it, or when the plan has `online: false`)."""
         if len(greedy_modes) != len(plan.greedy) or len(sampled_modes) != len(plan.sampled):
             raise ValueError("one mode object per plan bucket")
         self.plan = plan
+        self.ar_mode = ar_mode
+        self.check = OnlineCheck(plan.online) if plan.online is not None and ar_mode is not None else None
+        self._last: tuple[Any, str] | None = None  # the key and arm of the last planned step
         self.greedy_modes, self.sampled_modes = list(greedy_modes), list(sampled_modes)
         every = self.greedy_modes + self.sampled_modes
         self.name = name
@@ -125,7 +250,25 @@ class PlannedMode(Mode):
     def choose(self, seqs: list[DecodeSequence]) -> Mode:
         sampled = any(not s.sampling.greedy for s in seqs)
         modes = self.sampled_modes if sampled else self.greedy_modes
-        return modes[self.plan.bucket(len(seqs), sampled)]
+        mode = modes[self.plan.bucket(len(seqs), sampled)]
+        self._last = None
+        if self.check is None or mode.name == "ar":
+            return mode
+        key = (sampled, size_class(len(seqs)))
+        # until an engine reports step times the plan is followed as written (the offline
+        # engine reports none, so its choices stay a function of the batch alone)
+        arm = self.check.arm(key) if self.check.observations else "plan"
+        self._last = (key, arm)
+        return self.ar_mode if arm == "ar" else mode
+
+    def observe(self, outcomes: list[StepOutcome], seconds: float) -> None:
+        """The wall-clock period of the last step (from its start to the next step's start,
+        as the engine sees it) and what it emitted, for the online check."""
+        if self.check is None or self._last is None or seconds <= 0 or not outcomes:
+            return
+        tokens = sum(len(o.emit) for o in outcomes) / len(outcomes)
+        self.check.observe(*self._last, tokens, seconds)
+        self._last = None
 
     def start(self, seq: DecodeSequence) -> None:
         seq.state, seq.state_owner = None, None  # the first step's bucket starts it

@@ -143,15 +143,20 @@ class AggregateStats:
 
 def _after_add_speculative(result, self, state, *args, **kwargs):
     """/server_info internal state: `kv_tokens_in_use` (KV slots held by requests, i.e. not free
-    and not evictable cache: 0 when idle) and, under a selfspec mode, `selfspec` aggregates."""
+    and not evictable cache: 0 when idle) and, under a selfspec mode, `selfspec` aggregates
+    (with a width plan, its online check's choice and measured rates per batch-size class)."""
     scheduler = self.scheduler
     try:
         state["kv_tokens_in_use"] = int(scheduler.pool_stats_observer.get_pool_stats().full_num_used)
     except Exception as e:  # never break /server_info
         logger.debug("kv_tokens_in_use unavailable: %s", e)
-    stats = getattr(getattr(scheduler, "draft_worker", None), "stats", None)
+    worker = getattr(scheduler, "draft_worker", None)
+    stats = getattr(worker, "stats", None)
     if isinstance(stats, AggregateStats):
         state["selfspec"] = stats.summary()
+        check = getattr(getattr(worker, "mode", None), "check", None)
+        if check is not None:  # a width plan's online check: per batch-size class, what runs
+            state["selfspec"]["online_check"] = check.summary()
     return result
 
 

@@ -177,6 +177,8 @@ class SelfSpecWorker(BaseSpecWorker):
         self.verify_ops = verify_ops(self.device)
         self._fixed_forward_width = torch.device(self.device).type == "cuda"
         self.gate = None  # the gated LoRA's gate (modes that need an adapter)
+        # the last decode step's start and outcomes: its period ends where the next step starts
+        self._last_step: tuple[float, list] | None = None
         if self.cfg.spec.needs_adapter:
             handle = loramod.attach_to_sglang_model(self.model_runner.model, self.cfg.adapter)
             logger.info("[selfspec] %s gated LoRA attached: %r", self.cfg.algorithm, handle)
@@ -229,6 +231,7 @@ class SelfSpecWorker(BaseSpecWorker):
         return StepContext.from_params(params, seeds.to(self.device), self.verify_ops)
 
     def _extend(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        self._last_step = None  # a prefill in between: the last decode step's period is not its own
         bs = len(batch.reqs)
         with self._gate_off():
             result = self._target_worker.forward_batch_generation(batch, is_verify=True)
@@ -289,6 +292,7 @@ class SelfSpecWorker(BaseSpecWorker):
         dev = self.device
         states = [self._state_for(r) for r in reqs]
         seqs = [st.seq for st in states]
+        self._report_period(t0)
 
         layouts = self.mode.layouts(seqs)
         real_widths = [len(lay) for lay in layouts]
@@ -360,10 +364,19 @@ class SelfSpecWorker(BaseSpecWorker):
             logger.info("[selfspec] step bs=%d plan %.1f ms forward %.1f ms finish %.1f ms", bs,
                         (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
         self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0, W)
+        self._last_step = (t0, outcomes)
         self._gc_states()
         return _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, self.width)
 
     # ------------------------------------------------------------------ helpers
+    def _report_period(self, now: float) -> None:
+        """The last decode step's wall-clock period, scheduler time included, to a planned
+        mode's online check (`width_plan.OnlineCheck`); a gap of a second or more is idle time."""
+        observe = getattr(self.mode, "observe", None)
+        if observe is not None and self._last_step is not None and now - self._last_step[0] < 1.0:
+            observe(self._last_step[1], now - self._last_step[0])
+        self._last_step = None
+
     def _plain_decode_forward(self, batch: ScheduleBatch, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor):
         """A step of one token per request (a width plan's AR bucket) as SGLang's own decode
         forward: its decode attention path instead of the verify path with a step mask, which
