@@ -2,7 +2,8 @@
 runs the bucket of its batch size (ISD with candidates alone, plain AR steps at mid sizes,
 stride 2 above), and the output stays exactly AR's when the width changes between steps
 (sequential requests, a 16-request burst whose batch grows and shrinks), sampled output
-follows the AR server's sampling; the log reports each step's width."""
+follows the AR server's sampling; the log reports each step's width, and /server_info what the
+plan's online check measured."""
 
 from __future__ import annotations
 
@@ -59,7 +60,11 @@ def test_planned_greedy_equals_ar_burst(server, heldout_ids, ar_reference):
     # the AR bucket's one-token steps ran as SGLang's own decode forward
     from sglang_fixtures import internal_state
 
-    assert internal_state(server.base_url)["selfspec"]["plain_decode_steps"] > 0
+    state = internal_state(server.base_url)["selfspec"]
+    assert state["plain_decode_steps"] > 0
+    # the online check measured the planned buckets against plain AR steps while serving
+    checked = state["online_check"]
+    assert any(c["plan_rate"] > 0 and c["ar_rate"] > 0 for c in checked.values()), checked
 
 
 def test_planned_sampling_matches_the_ar_servers_sampling(server, ar_reference):
