@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from sglang.srt.sampling.watermarking.detector import WatermarkDetector
 from sglang_fixtures import TEST_DTYPE, burst, native_generate, start_server
 from test_watermark import first_repeat
 
@@ -101,6 +100,8 @@ def test_modes_emit_the_ar_servers_watermarked_tokens(mode_marked, ar_marked, ar
     # greedy requests are never watermarked: greedy AR's output
     assert [g[:len(r)] for g, r in zip(got["greedy"], ar_reference["output_ids"])] == \
         [r[:NEW] for r in ar_reference["output_ids"][:PROMPTS]]
+    from sglang.srt.sampling.watermarking.detector import WatermarkDetector
+
     det = WatermarkDetector(KEY, context_window=WINDOW)
     marked = [det.detect_tokens(o, prompt_token_ids=p).combined.z_score for p, o in zip(prompts, got["marked"])]
     plain = [det.detect_tokens(o, prompt_token_ids=p).combined.z_score for p, o in zip(prompts, got["plain"])]

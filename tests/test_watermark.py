@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang.srt.sampling.watermarking.detector import WatermarkDetector, hash_context
 
 from selfspec.decoding import watermark
 from selfspec.decoding.sampling import SamplingParams
@@ -74,6 +73,8 @@ def _check_forced_prefixes_equal(prompts, ar, got) -> None:
 
 
 def test_watermark_makes_forced_tokens_seed_independent_and_detectable(engine, prompts):
+    from sglang.srt.sampling.watermarking.detector import WatermarkDetector
+
     n = len(prompts)
     a = engine.generate(prompts, 32, HOT, seed=list(range(n)), mode="isd", mode_config={"stride": 3},
                         stop_token_ids=[], watermarks=[WM] * n)

@@ -31,11 +31,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from sglang.srt.sampling.watermarking.config import MAX_WATERMARKED_CONTEXTS_PER_REQUEST, parse_watermark_key
-from sglang.srt.sampling.watermarking.core import force_watermark_tokens
-from sglang.srt.sampling.watermarking.detector import hash_context
 
 from selfspec.decoding.step import DecodeSequence, StepBatch, StepOutcome
+
+# SGLang's watermarking modules are imported where a watermark is used: importing any of them
+# imports `sglang.srt` (and triton), which the reference engine must not pay for (or import
+# before a test sets TRITON_INTERPRET) on every generate call.
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,11 @@ class WatermarkConfig:
     key_b: str | None = None  # dual-key mode: key A with probability mixing_probability per context
     mixing_probability: float = 0.5
     max_probability: float = 1.0  # positions more certain than this sample normally
-    capacity: int = MAX_WATERMARKED_CONTEXTS_PER_REQUEST  # contexts forced per request at most
+    capacity: int | None = None  # contexts forced per request at most (None: SGLang's maximum)
 
     def __post_init__(self) -> None:
+        from sglang.srt.sampling.watermarking.config import parse_watermark_key
+
         parse_watermark_key(self.key)
         if self.key_b is not None:
             parse_watermark_key(self.key_b)
@@ -90,6 +93,8 @@ def force(logits: torch.Tensor, seqs: Sequence[DecodeSequence], batch: StepBatch
                 hashes.append(context_hash)
     if not rows_of:
         return logits
+    from sglang.srt.sampling.watermarking.config import MAX_WATERMARKED_CONTEXTS_PER_REQUEST
+
     forced_rows, forceable = _select(logits, seqs, rows_of, hashes)
     out = logits.clone()
     decided = dict(zip(rows_of, zip(forceable, forced_rows)))
@@ -98,7 +103,8 @@ def force(logits: torch.Tensor, seqs: Sequence[DecodeSequence], batch: StepBatch
             context_hash, ancestors = plan[row]
             ok, forced_row = decided.get((b, row), (False, None))
             earlier = [wm.marks[a] for a in ancestors if a in wm.marks]
-            if ok and context_hash not in earlier and len(wm.forced) + len(earlier) < wm.config.capacity:
+            capacity = wm.config.capacity or MAX_WATERMARKED_CONTEXTS_PER_REQUEST
+            if ok and context_hash not in earlier and len(wm.forced) + len(earlier) < capacity:
                 wm.marks[row] = context_hash
                 out[b, row] = forced_row
     return out
@@ -118,6 +124,8 @@ def commit(seqs: Sequence[DecodeSequence], outcomes: Sequence[StepOutcome]) -> N
 
 def _row_contexts(seq: DecodeSequence, batch: StepBatch | None, b: int) -> dict[int, tuple[int, list[int]]]:
     """Verify row -> (hash of its context, its ancestor rows)."""
+    from sglang.srt.sampling.watermarking.detector import hash_context
+
     h = seq.watermark.config.context_window
     skip = seq.watermark.skip_token
     if batch is None:
@@ -137,6 +145,9 @@ def _select(logits: torch.Tensor, seqs: Sequence[DecodeSequence], rows_of: list[
             hashes: list[int]) -> tuple[torch.Tensor, list[bool]]:
     """SGLang's selector on the candidate rows: their forced (one-hot) logits and whether each
     passed the entropy gate."""
+    from sglang.srt.sampling.watermarking.config import parse_watermark_key
+    from sglang.srt.sampling.watermarking.core import force_watermark_tokens
+
     vocab = logits.shape[-1]
     dev = logits.device
     b_idx = torch.tensor([b for b, _ in rows_of], device=dev)
