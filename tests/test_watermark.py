@@ -17,13 +17,21 @@ from selfspec.engines.testing import add_mask_token, tiny_qwen3
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 KEY = "0123456789abcdef"
-WM = watermark.WatermarkConfig(KEY, context_window=3)
+WINDOW = 3
+
+
+def wm() -> watermark.WatermarkConfig:
+    # built in the tests, not at import: it validates its key with SGLang's code, whose import
+    # brings triton in, which must not happen before test_cpu_compat sets TRITON_INTERPRET
+    return watermark.WatermarkConfig(KEY, context_window=WINDOW)
 HOT = SamplingParams(temperature=1.3)  # a flat distribution: sampling differs from the forced token often
 
 
 def first_repeat(prompt: list[int], out: list[int], h: int) -> int:
     """Index of the first output position whose context (last h tokens) came up before: up to
     there every position is forced, from there on it samples normally."""
+    from sglang.srt.sampling.watermarking.detector import hash_context
+
     seen = set()
     seq = list(prompt)
     for i, tok in enumerate(out):
@@ -55,9 +63,9 @@ MODES = [("isd", {"stride": 3}), ("isd", {"stride": 3, "proposal": "argmax"}),
 def test_modes_emit_ars_watermarked_tokens(engine, prompts, mode, config):
     n = len(prompts)
     for sp in (HOT, SamplingParams(temperature=0.3, top_k=20, top_p=0.9)):
-        ar = engine.generate(prompts, 32, sp, seed=list(range(n)), mode="ar", stop_token_ids=[], watermarks=[WM] * n)
+        ar = engine.generate(prompts, 32, sp, seed=list(range(n)), mode="ar", stop_token_ids=[], watermarks=[wm()] * n)
         got = engine.generate(prompts, 32, sp, seed=list(range(100, 100 + n)), mode=mode, mode_config=config,
-                              stop_token_ids=[], watermarks=[WM] * n)
+                              stop_token_ids=[], watermarks=[wm()] * n)
         _check_forced_prefixes_equal(prompts, ar, got)
     # at the lower temperature drafts were accepted against the forced rows, not only AR steps taken
     assert sum(o.metrics.forwards for o in got) < sum(o.metrics.forwards for o in ar)
@@ -66,7 +74,7 @@ def test_modes_emit_ars_watermarked_tokens(engine, prompts, mode, config):
 def _check_forced_prefixes_equal(prompts, ar, got) -> None:
     forced = 0
     for p, a, g in zip(prompts, ar, got):
-        k = first_repeat(p, a.token_ids, WM.context_window)
+        k = first_repeat(p, a.token_ids, WINDOW)
         assert g.token_ids[:k] == a.token_ids[:k], k
         forced += k
     assert forced >= 4 * len(prompts)  # the check covered real spans, not only the first tokens
@@ -77,17 +85,17 @@ def test_watermark_makes_forced_tokens_seed_independent_and_detectable(engine, p
 
     n = len(prompts)
     a = engine.generate(prompts, 32, HOT, seed=list(range(n)), mode="isd", mode_config={"stride": 3},
-                        stop_token_ids=[], watermarks=[WM] * n)
+                        stop_token_ids=[], watermarks=[wm()] * n)
     b = engine.generate(prompts, 32, HOT, seed=list(range(50, 50 + n)), mode="isd", mode_config={"stride": 3},
-                        stop_token_ids=[], watermarks=[WM] * n)
+                        stop_token_ids=[], watermarks=[wm()] * n)
     plain = engine.generate(prompts, 32, HOT, seed=list(range(n)), mode="isd", mode_config={"stride": 3},
                             stop_token_ids=[])
     other = engine.generate(prompts, 32, HOT, seed=list(range(50, 50 + n)), mode="isd", mode_config={"stride": 3},
                             stop_token_ids=[])
     assert [o.token_ids for o in plain] != [o.token_ids for o in other]  # without it, seeds matter
-    det = WatermarkDetector(KEY, context_window=WM.context_window)
+    det = WatermarkDetector(KEY, context_window=WINDOW)
     for p, x, y, z in zip(prompts, a, b, plain):
-        k = first_repeat(p, x.token_ids, WM.context_window)
+        k = first_repeat(p, x.token_ids, WINDOW)
         assert x.token_ids[:k] == y.token_ids[:k]
         marked = det.detect_tokens(x.token_ids, prompt_token_ids=p).combined
         unmarked = det.detect_tokens(z.token_ids, prompt_token_ids=p).combined
@@ -100,13 +108,15 @@ def test_greedy_requests_are_not_watermarked(engine, prompts):
     n = len(prompts)
     ar = engine.generate(prompts, 16, SamplingParams(), mode="ar", stop_token_ids=[])
     wm = engine.generate(prompts, 16, SamplingParams(), mode="isd", mode_config={"stride": 3}, stop_token_ids=[],
-                         watermarks=[WM] * n)
+                         watermarks=[wm()] * n)
     assert [o.token_ids for o in wm] == [o.token_ids for o in ar]
 
 
 def test_a_context_is_forced_once_along_the_rows_path():
     """Rows whose context was forced before, or is forced at an ancestor row, sample normally;
     a sibling on another branch with the same context is forced (AR would reach it first)."""
+    from sglang.srt.sampling.watermarking.detector import hash_context
+
     vocab = 16
     seq = DecodeSequence([1, 2, 3, 7, 7], SamplingParams(temperature=1.0))
     seq.watermark = watermark.SequenceWatermark(watermark.WatermarkConfig(KEY, context_window=2))
