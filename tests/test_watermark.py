@@ -107,9 +107,9 @@ def test_watermark_makes_forced_tokens_seed_independent_and_detectable(engine, p
 def test_greedy_requests_are_not_watermarked(engine, prompts):
     n = len(prompts)
     ar = engine.generate(prompts, 16, SamplingParams(), mode="ar", stop_token_ids=[])
-    wm = engine.generate(prompts, 16, SamplingParams(), mode="isd", mode_config={"stride": 3}, stop_token_ids=[],
+    marked = engine.generate(prompts, 16, SamplingParams(), mode="isd", mode_config={"stride": 3}, stop_token_ids=[],
                          watermarks=[wm()] * n)
-    assert [o.token_ids for o in wm] == [o.token_ids for o in ar]
+    assert [o.token_ids for o in marked] == [o.token_ids for o in ar]
 
 
 def test_a_context_is_forced_once_along_the_rows_path():
