@@ -186,7 +186,7 @@ class ISDMode(Mode):
             step = consume(s.state.proposals, a, t, proposals[b])
             s.state.proposals = step.proposals
             s.state.proposal_probs = probs[b] if step.proposals and probs is not None else None
-            if step.proposals and s.constraint is not None and self.config.grammar_proposals:
+            if step.proposals and self._grammar_guided(s):  # redrawn from the grammar-masked rows
                 s.state.proposals, s.state.proposal_probs = self._grammar_proposals(
                     s, step.emit, mask_logits[b], ctx.select(torch.tensor([b], device=device)))
             outcomes.append(StepOutcome(step.emit, step.keep, a))
@@ -205,6 +205,9 @@ class ISDMode(Mode):
         seeds = ctx.seeds[:, start : start + mask_logits.shape[1]]
         drawn = sample_from_probs(q, seeds).tolist()
         return drawn, [None if g else q[b] for b, g in enumerate(ctx.greedy.tolist())]
+
+    def _grammar_guided(self, seq: DecodeSequence) -> bool:
+        return seq.constraint is not None and self.config.grammar_proposals
 
     def _grammar_proposals(self, seq: DecodeSequence, emitted: list[int], mask_rows: torch.Tensor,
                            ctx: StepContext) -> tuple[list[int], torch.Tensor | None]:
@@ -231,11 +234,12 @@ class ISDMode(Mode):
         tail = plan.tail_rows[res.path]
         whole = res.accepted == len(path.tokens)
         seq.state.proposals, seq.state.proposal_probs = [], None
-        if whole and tail is not None and seq.constraint is not None and self.config.grammar_proposals:
-            seq.state.proposals, seq.state.proposal_probs = self._grammar_proposals(seq, emit, logits[tail], ctx)
-        elif whole and tail is not None:
-            proposals, probs = self._propose(logits[tail].unsqueeze(0), ctx)
-            seq.state.proposals = proposals[0]
-            seq.state.proposal_probs = probs[0] if probs is not None else None
+        if whole and tail is not None:
+            if self._grammar_guided(seq):
+                seq.state.proposals, seq.state.proposal_probs = self._grammar_proposals(seq, emit, logits[tail], ctx)
+            else:
+                proposals, probs = self._propose(logits[tail].unsqueeze(0), ctx)
+                seq.state.proposals = proposals[0]
+                seq.state.proposal_probs = probs[0] if probs is not None else None
         seq.state.plan = None
         return StepOutcome(emit, keep, res.accepted)

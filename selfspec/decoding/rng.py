@@ -27,15 +27,18 @@ def _i32(c: int) -> torch.Tensor:
     return torch.tensor(c - (1 << 32) if c >= 1 << 31 else c, dtype=torch.int32)
 
 
+_M1_I32, _M2_I32 = _i32(_M1), _i32(_M2)
+
+
 def _hash_i32(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """The hash's 32 bits in an int32 tensor. int32 adds and multiplies wrap modulo 2^32 like
     the uint32 Triton code (right shifts are masked to be logical); the full-vocabulary draws
     hash [B, V] elements, and int32 halves the memory traffic of int64."""
     x = _wrap32((seed.long() & _MASK32) * _GOLDEN) + _wrap32(offset.long())
     x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * _i32(_M1)
+    x = x * _M1_I32
     x = x ^ ((x >> 13) & 0x7FFFF)
-    x = x * _i32(_M2)
+    x = x * _M2_I32
     return x ^ ((x >> 16) & 0xFFFF)
 
 

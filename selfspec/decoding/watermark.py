@@ -22,7 +22,8 @@ when any earlier row of the tree has it, on or off the row's path.) Rows whose p
 before forcing, as SGLang reports them.
 
 After the mode decided, `commit` records the contexts of the rows that decided emitted tokens
-(step index keep[j] decides emit[j]).
+(step index keep[j] decides emit[j]). Engines call `first_tokens` at prefill and `finish_step`
+for a decode step, which do both.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec.decoding.step import DecodeSequence, StepBatch, StepOutcome
+from selfspec.decoding.ar import next_tokens
+from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepOutcome
 
 # SGLang's watermarking modules are imported where a watermark is used: importing any of them
 # imports `sglang.srt` (and triton), which the reference engine must not pay for (or import
@@ -99,15 +101,32 @@ def force(logits: torch.Tensor, seqs: Sequence[DecodeSequence], batch: StepBatch
     out = logits.clone()
     decided = dict(zip(rows_of, zip(forceable, forced_rows)))
     for b, wm, plan in plans:
+        capacity = wm.config.capacity or MAX_WATERMARKED_CONTEXTS_PER_REQUEST
         for row in sorted(plan):
             context_hash, ancestors = plan[row]
             ok, forced_row = decided.get((b, row), (False, None))
             earlier = [wm.marks[a] for a in ancestors if a in wm.marks]
-            capacity = wm.config.capacity or MAX_WATERMARKED_CONTEXTS_PER_REQUEST
             if ok and context_hash not in earlier and len(wm.forced) + len(earlier) < capacity:
                 wm.marks[row] = context_hash
                 out[b, row] = forced_row
     return out
+
+
+def first_tokens(logits: torch.Tensor, seqs: Sequence[DecodeSequence], ctx: StepContext) -> torch.Tensor:
+    """The AR rule on the last prompt rows [B, V] (`ar.next_tokens`), watermarked sequences
+    deciding by their forced token; their contexts recorded."""
+    tokens = next_tokens(force(logits.unsqueeze(1), seqs, None)[:, 0], ctx)
+    commit(seqs, [StepOutcome([t], [0]) for t in tokens.tolist()])
+    return tokens
+
+
+def finish_step(mode: Mode, seqs: Sequence[DecodeSequence], batch: StepBatch, logits: torch.Tensor,
+                ctx: StepContext) -> list[StepOutcome]:
+    """`mode.finish` on the step's logits with the watermarked rows forced, then their contexts
+    recorded. The logits themselves are left as they were (logprobs report them)."""
+    outcomes = mode.finish(seqs, batch, force(logits, seqs, batch), ctx)
+    commit(seqs, outcomes)
+    return outcomes
 
 
 def commit(seqs: Sequence[DecodeSequence], outcomes: Sequence[StepOutcome]) -> None:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding import watermark
-from selfspec.decoding.ar import next_tokens
 from selfspec.decoding.logits_rules import GrammarWalk
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.decoding.progress import SequenceProgress
@@ -137,10 +136,9 @@ def generate_batch(
     logits = runner.process(prompt_logits[torch.arange(n, device=dev), last].unsqueeze(1), seqs, None)
     ctx = StepContext.from_params(params, step_seeds(base, counter, 1), ops)
     counter += 1
-    first = next_tokens(watermark.force(logits, seqs, None)[:, 0], ctx)
+    first = watermark.first_tokens(logits[:, 0], seqs, ctx)
     cache.commit([list(range(len(p))) for p in prompts])
     outcomes = [StepOutcome([tok], [0], 0) for tok in first.tolist()]
-    watermark.commit(seqs, outcomes)
     for i, tok in enumerate(first.tolist()):
         metrics[i].record_prefill(commit(i, [tok]))
         seqs[i].history.append(tok)
@@ -161,9 +159,7 @@ def generate_batch(
         logits = runner.process(runner.forward(cache, batch), rows, batch)
         ctx = StepContext.from_params(act_params, step_seeds(base, counter, mode.seeds_per_step), ops)
         counter = counter + mode.seeds_per_step
-        # watermarked rows decide by their forced token; logprobs and callbacks see the logits before
-        outcomes = mode.finish(rows, batch, watermark.force(logits, rows, batch), ctx)
-        watermark.commit(rows, outcomes)
+        outcomes = watermark.finish_step(mode, rows, batch, logits, ctx)  # logprobs: the logits before forcing
         keeps = []
         for i, lay, out in zip(active, layouts, outcomes):
             if len(out.keep) != len(out.emit):

@@ -44,11 +44,10 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from selfspec.decoding import seeds as seedmod
 from selfspec.decoding import watermark
-from selfspec.decoding.ar import next_tokens as ar_next_tokens
 from selfspec.decoding.logits_rules import apply_logits_rules
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.decoding.sampling import SamplingParams
-from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, StepOutcome, collate
+from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, collate
 from selfspec.engines.kernel_choice import verify_ops
 from selfspec.kernels.lora_gate import gated
 from selfspec.sglang_ext import config as cfgmod
@@ -241,9 +240,7 @@ class SelfSpecWorker(BaseSpecWorker):
                                     None)[:, 0]
         logits = _custom_processors(batch, logits, 1)
         ctx = self._context(states, 1)
-        seqs = [st.seq for st in states]
-        tokens = ar_next_tokens(watermark.force(logits.unsqueeze(1), seqs, None)[:, 0], ctx)
-        watermark.commit(seqs, [StepOutcome([t], [0]) for t in tokens.tolist()])
+        tokens = watermark.first_tokens(logits, [st.seq for st in states], ctx)
         if batch.return_logprob:  # the logits before any watermark forcing, as SGLang reports them
             write_prefill_logprobs(batch, result.logits_output, logits, tokens)
         for req, st, tok in zip(batch.reqs, states, tokens.tolist()):
@@ -329,9 +326,7 @@ class SelfSpecWorker(BaseSpecWorker):
         t2 = time.perf_counter()
 
         ctx = self._context(states, self.mode.seeds_per_step)
-        # watermarked rows decide by their forced token; logprobs report the logits before
-        outcomes = self.mode.finish(seqs, step, watermark.force(logits, seqs, step), ctx)
-        watermark.commit(seqs, outcomes)
+        outcomes = watermark.finish_step(self.mode, seqs, step, logits, ctx)  # logprobs: the logits before forcing
         if batch.return_logprob:
             write_decode_logprobs(batch, result.logits_output, logits, outcomes, self.width)
 
