@@ -318,3 +318,47 @@ def test_step_mask_sees_committed_prefix_and_layout():
     seen = mask[:, 0] == 0
     assert seen[0].tolist() == [[True, True, True, False], [True, True, True, True]]
     assert seen[1].tolist() == [[True, False, False, False], [True, True, False, False]]
+
+
+# ------------------------------------------------------------------------------ counter-based RNG
+def _tensor_path(fn, *args):
+    """Run `fn` with the small-draw Python path switched off (the tensor path for every size)."""
+    from selfspec.decoding import rng
+
+    saved, rng.SMALL_DRAW = rng.SMALL_DRAW, -1
+    try:
+        return fn(*args)
+    finally:
+        rng.SMALL_DRAW = saved
+
+
+@pytest.mark.parametrize("seed_shape,offset_shape", [((5,), (5,)), ((3, 1), (1, 7)), ((), ()), ((1,), (40,))])
+def test_small_draws_hash_the_same_bits_as_the_tensor_path(seed_shape, offset_shape):
+    from selfspec.decoding import rng
+
+    g = torch.Generator().manual_seed(len(seed_shape) * 10 + len(offset_shape))
+    seed = torch.randint(0, 1 << 31, seed_shape, generator=g)
+    offset = torch.randint(0, 1 << 31, offset_shape, generator=g)
+    seed.view(-1)[0] = (1 << 31) - 1  # the extremes of the 31-bit seed range
+    for fn in (rng.hash_u32, rng.uniform):
+        want = _tensor_path(fn, seed, offset)
+        got = fn(seed, offset)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    base, counter = torch.tensor([5, (1 << 31) - 1, 77]), torch.tensor([0, 12, (1 << 40) + 3])
+    for width in (1, 4, 10):  # 3 x 10 is still a small draw; wider ones take the tensor path
+        assert torch.equal(step_seeds(base, counter, width), _tensor_path(step_seeds, base, counter, width))
+
+
+def test_race_argmax_draws_the_gumbel_max_winner():
+    """The exponential-race form picks the token log w + gumbel picks (the Triton kernels' form)
+    and never a zero-weight token."""
+    from selfspec.decoding import rng
+
+    g = torch.Generator().manual_seed(3)
+    weights = torch.softmax(torch.randn(400, 64, generator=g) * 3, -1)
+    weights[:, ::3] = 0.0
+    seeds = rng.draw_seeds((400, 1), g)
+    got = rng.race_argmax(weights, seeds)
+    want = (weights.log() + rng.gumbel(seeds, torch.arange(1, 65).unsqueeze(0))).argmax(-1)
+    assert torch.equal(got, want)
+    assert bool((weights.gather(1, got.unsqueeze(1)) > 0).all())

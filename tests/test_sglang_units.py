@@ -30,7 +30,7 @@ def _naive(q, k_cache, v_cache, rows, L, local, scale):
 
 @pytest.mark.parametrize("full", [False, True])
 def test_verify_attention_matches_naive_reference(full):
-    from selfspec.sglang_ext.attention import verify_attention
+    from selfspec.sglang_ext.attention import plan_verify, verify_attention
     from selfspec.sglang_ext.worker import build_custom_mask
 
     torch.manual_seed(0)
@@ -50,7 +50,8 @@ def test_verify_attention_matches_naive_reference(full):
     q = torch.randn(len(L) * W, hq, d)
     out = torch.empty_like(q)
     mask = build_custom_mask(local, L, full)
-    verify_attention(q, k_cache, v_cache, req_to_token, torch.tensor([1, 2, 3]), L, W, mask, 1 / math.sqrt(d), out)
+    plan = plan_verify(req_to_token, torch.tensor([1, 2, 3]), L, W, mask)
+    verify_attention(q, k_cache, v_cache, plan, 1 / math.sqrt(d), out)
     want = _naive(q, k_cache, v_cache, rows, L, local, 1 / math.sqrt(d))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
@@ -327,3 +328,24 @@ def test_cpu_engine_groups_get_no_gpu_communicators(monkeypatch):
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "0")  # a GPU engine keeps SGLang's own choice
     distributed._group_without_gpu_communicators(group, [[0, 1]], 0, "nccl", use_pynccl=None)
     assert seen == {"use_pynccl": None}
+
+
+def test_verify_plan_is_built_once_per_forward_and_never_reused_across_forwards():
+    from types import SimpleNamespace
+
+    from selfspec.sglang_ext import attention
+
+    req_to_token = torch.arange(64, dtype=torch.int32).view(2, 32)
+
+    def forward_batch(lens):
+        spec = SimpleNamespace(custom_mask=torch.ones(len(lens) * 3 * 3, dtype=torch.bool), draft_token_num=3)
+        return SimpleNamespace(spec_info=spec, seq_lens_cpu=torch.tensor(lens), seq_lens=torch.tensor(lens),
+                               req_pool_indices=torch.arange(len(lens)))
+
+    fb = forward_batch([4, 6])
+    first = attention._forward_plan(fb, req_to_token, 3)
+    assert attention._forward_plan(fb, req_to_token, 3) is first  # every later layer of the forward
+    nxt = forward_batch([5, 7])  # the next step: new lengths, new spec
+    plan = attention._forward_plan(nxt, req_to_token, 3)
+    assert plan is not first and plan.slots.shape == (2, 7 + 3)
+    assert torch.equal(plan.slots[1, :10], req_to_token[1, :10].long())

@@ -12,7 +12,7 @@ def next_tokens(logits: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """[B, V] -> [B]: the AR sampling rule (greedy rows: first argmax), seed column 0."""
     if ctx.all_greedy:
         return logits.argmax(dim=-1)
-    return sample(logits, ctx.seeds[:, 0], ctx.temperature, ctx.top_k, ctx.top_p, ctx.min_p)
+    return sample(logits, ctx.seeds[:, 0], *ctx.sampling_args())
 
 
 class ARMode(Mode):

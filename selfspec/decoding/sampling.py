@@ -73,6 +73,10 @@ def _broadcast(value: torch.Tensor | float | int, rows: torch.Size, dtype, devic
     return t.expand(rows)
 
 
+def _neutral(value, neutral: float) -> bool:
+    return not isinstance(value, torch.Tensor) and value == neutral
+
+
 def logits_to_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor | float,
@@ -89,33 +93,38 @@ def logits_to_probs(
     rows = logits.shape[:-1]
     vocab = logits.shape[-1]
     temp = _broadcast(temperature, rows, torch.float32, logits.device)
-    k = _broadcast(top_k, rows, torch.long, logits.device)
-    p_cut = _broadcast(top_p, rows, torch.float32, logits.device)
-    m_cut = _broadcast(min_p, rows, torch.float32, logits.device)
 
     greedy = temp <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(-1)
     probs = torch.softmax(scaled, dim=-1)
     keep = None
 
-    k_active = (k > 0) & (k < vocab)
-    if bool(k_active.any()):
-        k_rows = torch.where(k_active, k, torch.ones_like(k))
-        kth = scaled.topk(int(k_rows.max()), dim=-1).values.gather(-1, (k_rows - 1).unsqueeze(-1))
-        keep = ~k_active.unsqueeze(-1) | (scaled >= kth)
+    # a filter given as its neutral scalar costs nothing (a step's context passes them so when
+    # no row uses one: each check below is several small ops, a real share of a batch-1 step)
+    if not _neutral(top_k, 0):
+        k = _broadcast(top_k, rows, torch.long, logits.device)
+        k_active = (k > 0) & (k < vocab)
+        if bool(k_active.any()):
+            k_rows = torch.where(k_active, k, torch.ones_like(k))
+            kth = scaled.topk(int(k_rows.max()), dim=-1).values.gather(-1, (k_rows - 1).unsqueeze(-1))
+            keep = ~k_active.unsqueeze(-1) | (scaled >= kth)
 
-    p_active = p_cut < 1.0
-    if bool(p_active.any()):
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) > p_cut.unsqueeze(-1)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        keep_p = ~(p_active.unsqueeze(-1) & drop)
-        keep = keep_p if keep is None else keep & keep_p
+    if not _neutral(top_p, 1.0):
+        p_cut = _broadcast(top_p, rows, torch.float32, logits.device)
+        p_active = p_cut < 1.0
+        if bool(p_active.any()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop_sorted = (sorted_p.cumsum(-1) - sorted_p) > p_cut.unsqueeze(-1)
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            keep_p = ~(p_active.unsqueeze(-1) & drop)
+            keep = keep_p if keep is None else keep & keep_p
 
-    m_active = m_cut > 0
-    if bool(m_active.any()):
-        keep_m = ~m_active.unsqueeze(-1) | (probs >= m_cut.unsqueeze(-1) * probs.amax(-1, keepdim=True))
-        keep = keep_m if keep is None else keep & keep_m
+    if not _neutral(min_p, 0.0):
+        m_cut = _broadcast(min_p, rows, torch.float32, logits.device)
+        m_active = m_cut > 0
+        if bool(m_active.any()):
+            keep_m = ~m_active.unsqueeze(-1) | (probs >= m_cut.unsqueeze(-1) * probs.amax(-1, keepdim=True))
+            keep = keep_m if keep is None else keep & keep_m
 
     if keep is not None:
         probs = torch.where(keep, probs, 0.0)

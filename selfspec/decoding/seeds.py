@@ -29,5 +29,9 @@ def base_seeds(seed: int | list[int] | None, count: int, generator: torch.Genera
 
 def step_seeds(base: torch.Tensor, counter: torch.Tensor, width: int) -> torch.Tensor:
     """[B] base seeds, [B] counters -> [B, width] seeds in [0, 2^31)."""
+    if base.device.type == "cpu" and base.numel() * width <= rng.SMALL_DRAW:  # a served step at small batch
+        rows = [[rng.hash_int(b, c + i) & 0x7FFFFFFF for i in range(width)]
+                for b, c in zip(base.tolist(), counter.tolist())]
+        return torch.tensor(rows, dtype=torch.long).view(base.numel(), width)
     offsets = counter.unsqueeze(1) + torch.arange(width, device=base.device)
     return rng.hash_u32(base.unsqueeze(1), offsets) & 0x7FFFFFFF

@@ -130,6 +130,7 @@ class StepContext:
     min_p: torch.Tensor  # [B] float
     seeds: torch.Tensor  # [B, Mode.seeds_per_step] long
     ops: VerifyOps = REFERENCE_OPS  # the verify implementations (chosen once by the engine)
+    filtered: bool = True  # some row uses top-k / top-p / min-p (False: known from the params)
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -142,11 +143,18 @@ class StepContext:
     def select(self, rows: torch.Tensor) -> StepContext:
         """The context of a subset of the batch's rows."""
         return StepContext(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
-                           self.seeds[rows], self.ops)
+                           self.seeds[rows], self.ops, self.filtered)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The rows' sampling distributions: logits [B, ..., V] -> probs (`sampling.logits_to_probs`)."""
-        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+        return logits_to_probs(logits, *self.sampling_args())
+
+    def sampling_args(self) -> tuple:
+        """(temperature, top_k, top_p, min_p) for the sampling and verify functions, the filters
+        as their neutral scalars when no row uses them (the functions then skip them outright)."""
+        if self.filtered:
+            return self.temperature, self.top_k, self.top_p, self.min_p
+        return self.temperature, 0, 1.0, 0.0
 
     def row(self, b: int) -> dict:
         """Row b's settings as the scalar keywords of `tree_verify.verify_paths`."""
@@ -163,6 +171,7 @@ class StepContext:
             torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
             seeds,
             ops,
+            filtered=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params),
         )
 
 
@@ -187,9 +196,10 @@ def verify_drafts(
     if ctx.all_greedy:
         return ctx.ops.greedy(target_logits, drafts, num_drafts)
     depth = drafts.shape[1]
+    temperature, top_k, top_p, min_p = ctx.sampling_args()
     return ctx.ops.speculative(
         target_logits, drafts, num_drafts, ctx.seeds[:, : depth + 1],
-        ctx.temperature, ctx.top_k, ctx.top_p, tau, draft_probs, min_p=ctx.min_p,
+        temperature, top_k, top_p, tau, draft_probs, min_p=min_p,
     )
 
 
@@ -205,6 +215,12 @@ class Mode:
     def step_width(self) -> int:
         """The widest layout of the step `layouts` last planned (a planned mode narrows it)."""
         return self.max_width
+
+    @property
+    def step_seed_columns(self) -> int:
+        """How many of the step's `seeds_per_step` seeds the step `layouts` last planned reads
+        (a prefix: the engine hashes only those and still advances the counter by all)."""
+        return self.seeds_per_step
 
     def start(self, seq: DecodeSequence) -> None:
         """Called once after prefill, when the first generated token is the pending token."""

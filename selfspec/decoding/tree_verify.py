@@ -165,8 +165,7 @@ def verify_paths(
             continue
         if not residual.sum() > 0:  # only through rounding: p's mass sat on rejected children
             residual = logits_to_probs(row, temperature, top_k, top_p, min_p)
-        noise = rng.gumbel(seed, torch.arange(1, residual.shape[-1] + 1, device=residual.device))
-        token = int((residual.log() + noise).argmax())
+        token = int(rng.race_argmax(residual, seed.view(1)))
         return PathResult(_finished(paths, alive, depth), depth, token)
 
 

@@ -7,7 +7,7 @@ Layout shared by all rules, batched over sequences b and draft positions i:
   num_drafts    [B]          how many drafts of the row are real (the rest is padding)
 Per-row randomness comes from `seeds [B, D+1]` through `selfspec.decoding.rng`: the accept
 uniform of position i is uniform(seed[b, i], 0); Gumbel noise for vocab entry v at that
-position is gumbel(seed[b, i], v + 1). Identical seeds give identical results in every
+position is gumbel(seed[b, i], v + 1) (`rng.race_argmax`). Identical seeds give identical results in every
 implementation (the Triton kernels are tested bit-exact against these references).
 
 The `*_reference` functions are the definitions. Modes call whatever `VerifyOps` the engine
@@ -78,13 +78,9 @@ def speculative_verify_reference(
     the drafts (argmax proposals). tau = 0 reproduces AR sampling's distribution exactly.
     """
     bsz, depth = draft_tokens.shape
-    vocab = target_logits.shape[-1]
     device = target_logits.device
-    per_row = lambda v, dt: torch.as_tensor(v, dtype=dt, device=device).expand(bsz)  # noqa: E731
-    temp, k, top = per_row(temperature, torch.float32), per_row(top_k, torch.long), per_row(top_p, torch.float32)
-    tau_b = per_row(tau, torch.float32)
-
-    probs = logits_to_probs(target_logits, temp, k, top, per_row(min_p, torch.float32))  # [B, D+1, V]
+    tau_b = torch.as_tensor(tau, dtype=torch.float32, device=device).expand(bsz)
+    probs = logits_to_probs(target_logits, temperature, top_k, top_p, min_p)  # [B, D+1, V]
     p_draft = probs[:, :depth].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, D]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
@@ -97,22 +93,19 @@ def speculative_verify_reference(
     rows = torch.arange(bsz, device=device)
     p_stop = probs[rows, accept_len]  # [B, V]
     rejected = accept_len < num_drafts
-    if draft_probs is None:
-        q_stop = torch.zeros_like(p_stop)
-        stop_draft = draft_tokens.gather(1, accept_len.clamp(max=depth - 1).unsqueeze(1)) if depth else None
-        if depth:
-            q_stop.scatter_(1, stop_draft, 1.0)
-    else:
-        padded = torch.cat([draft_probs.float(), torch.zeros_like(p_stop).unsqueeze(1)], dim=1)
-        q_stop = padded[rows, accept_len]
-    residual = (p_stop - q_stop).clamp_min(0.0)
-    # A residual can vanish only through rounding when p == q; then p itself is the target.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)
-    target = torch.where(rejected.unsqueeze(1), residual, p_stop)
+    target = p_stop
+    if depth and bool(rejected.any()):  # q at the stop row only matters where a draft was rejected
+        stop = accept_len.clamp(max=depth - 1)
+        if draft_probs is None:
+            q_stop = torch.zeros_like(p_stop).scatter_(1, draft_tokens.gather(1, stop.unsqueeze(1)), 1.0)
+        else:
+            q_stop = draft_probs[rows, stop].float()
+        residual = (p_stop - q_stop).clamp_min(0.0)
+        # A residual can vanish only through rounding when p == q; then p itself is the target.
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)
+        target = torch.where(rejected.unsqueeze(1), residual, p_stop)
 
-    stop_seed = seeds[rows, accept_len].unsqueeze(1)
-    noise = rng.gumbel(stop_seed, torch.arange(1, vocab + 1, device=device).unsqueeze(0))
-    next_tokens = (target.log() + noise).argmax(dim=-1)
+    next_tokens = rng.race_argmax(target, seeds[rows, accept_len].unsqueeze(1))
     return VerifyResult(accept_len, next_tokens)
 
 

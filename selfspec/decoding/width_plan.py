@@ -247,6 +247,10 @@ class PlannedMode(Mode):
         """The widest layout of the mode the last `layouts` call chose."""
         return self.current.max_width
 
+    @property
+    def step_seed_columns(self) -> int:
+        return self.current.seeds_per_step
+
     def choose(self, seqs: list[DecodeSequence]) -> Mode:
         sampled = any(not s.sampling.greedy for s in seqs)
         modes = self.sampled_modes if sampled else self.greedy_modes

@@ -157,7 +157,7 @@ def generate_batch(
         layouts = mode.layouts(rows)
         batch = collate(layouts, device=dev)
         logits = runner.process(runner.forward(cache, batch), rows, batch)
-        ctx = StepContext.from_params(act_params, step_seeds(base, counter, mode.seeds_per_step), ops)
+        ctx = StepContext.from_params(act_params, step_seeds(base, counter, mode.step_seed_columns), ops)
         counter = counter + mode.seeds_per_step
         outcomes = watermark.finish_step(mode, rows, batch, logits, ctx)  # logprobs: the logits before forcing
         keeps = []

@@ -14,41 +14,36 @@ the full one (per request W x (L+W), concatenated, what the GPU backends take).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 
-def verify_attention(
-    q: torch.Tensor,  # [bs*W, Hq, D]
-    k_cache: torch.Tensor,  # [slots, Hkv, D]
-    v_cache: torch.Tensor,  # [slots, Hkv, Dv]
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: list[int],  # committed lengths L per request (host ints)
-    width: int,
-    custom_mask: torch.Tensor | None,
-    scaling: float | None,
-    out: torch.Tensor,  # [bs*W, Hq, Dv]
-) -> torch.Tensor:
-    """One SDPA call for the whole batch: each request's KV (its committed prefix, then its W
-    step tokens) gathered into a [bs, Hkv, max(L) + W, D] block, positions past a request's own
-    L + W masked out. On CPU a per-request loop costs a gather, a mask and an SDPA call per
-    request and layer, which dominated steps of small models at batch 16."""
+@dataclass
+class VerifyPlan:
+    """What every layer of one verify forward shares: which KV slots each request reads and the
+    mask over them. Built once per forward (it was a dozen small ops per layer, a third of a
+    small model's attention time at batch 1)."""
+
+    slots: torch.Tensor  # [bs, kv_max] KV slot per column (padding reads a real slot, masked)
+    mask: torch.Tensor  # [bs, 1, W, kv_max] bool
+    width: int
+
+
+def plan_verify(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: list[int], width: int,
+                custom_mask: torch.Tensor | None) -> VerifyPlan:
+    """Each request's KV (its committed prefix of length L, then its W step tokens) as one
+    padded [bs, max(L) + W] block, and the mask `[ones(W, L) | M_r]` over it, columns past a
+    request's own L + W masked out."""
     bs = len(seq_lens)
-    dev = q.device
-    enable_gqa = q.shape[1] != k_cache.shape[1]
+    dev = req_to_token.device
     lens = torch.tensor(seq_lens, dtype=torch.long, device=dev)
     kv_max = int(max(seq_lens)) + width
     cols = torch.arange(kv_max, device=dev)
     valid = cols.unsqueeze(0) < (lens + width).unsqueeze(1)  # [bs, kv_max]
     rows = req_to_token[req_pool_indices.long()][:, :kv_max].long()  # [bs, kv_max]
-    slots = torch.where(valid, rows, rows[:, :1])  # padding reads a real slot, masked below
-    key = k_cache[slots].movedim(2, 1)  # [bs, Hkv, kv_max, D]
-    value = v_cache[slots].movedim(2, 1)
-    query = q.view(bs, width, q.shape[1], q.shape[2]).movedim(2, 1)  # [bs, Hq, W, D]
-    if key.dtype != query.dtype:
-        key, value = key.to(query.dtype), value.to(query.dtype)
-    # mask [bs, W, kv_max]: the prefix (cols < L), then the step's own visibility
+    slots = torch.where(valid, rows, rows[:, :1])
     prefix = cols.unsqueeze(0) < lens.unsqueeze(1)  # [bs, kv_max]
     mask = prefix.unsqueeze(1).expand(bs, width, kv_max).clone()
     if custom_mask is None:
@@ -64,10 +59,46 @@ def verify_attention(
             off += n
     step_cols = lens.unsqueeze(1) + torch.arange(width, device=dev)  # [bs, W] absolute columns
     mask.scatter_(2, step_cols.unsqueeze(1).expand(bs, width, width), local)
-    o = scaled_dot_product_attention(query, key, value, attn_mask=mask.unsqueeze(1), scale=scaling,
-                                     enable_gqa=enable_gqa)  # [bs, Hq, W, Dv]
+    return VerifyPlan(slots, mask.unsqueeze(1), width)
+
+
+def verify_attention(
+    q: torch.Tensor,  # [bs*W, Hq, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, Dv]
+    plan: VerifyPlan,
+    scaling: float | None,
+    out: torch.Tensor,  # [bs*W, Hq, Dv]
+) -> torch.Tensor:
+    """One SDPA call for the whole batch over the plan's KV block. On CPU a per-request loop
+    costs a gather, a mask and an SDPA call per request and layer, which dominated steps of
+    small models at batch 16."""
+    bs, width = plan.slots.shape[0], plan.width
+    key = k_cache[plan.slots].movedim(2, 1)  # [bs, Hkv, kv_max, D]
+    value = v_cache[plan.slots].movedim(2, 1)
+    query = q.view(bs, width, q.shape[1], q.shape[2]).movedim(2, 1)  # [bs, Hq, W, D]
+    if key.dtype != query.dtype:
+        key, value = key.to(query.dtype), value.to(query.dtype)
+    o = scaled_dot_product_attention(query, key, value, attn_mask=plan.mask, scale=scaling,
+                                     enable_gqa=q.shape[1] != k_cache.shape[1])  # [bs, Hq, W, Dv]
     out.copy_(o.movedim(1, 2).reshape(bs * width, o.shape[1], o.shape[3]))
     return out
+
+
+def _forward_plan(forward_batch, req_to_token: torch.Tensor, width: int) -> VerifyPlan:
+    """The forward's plan, built by its first layer and kept on the ForwardBatch (one per forward)."""
+    spec = forward_batch.spec_info
+    custom_mask = getattr(spec, "custom_mask", None)
+    key = (width, id(spec), id(custom_mask), id(forward_batch.req_pool_indices))
+    cached = getattr(forward_batch, "_selfspec_verify_plan", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    seq_lens_cpu = forward_batch.seq_lens_cpu
+    seq_lens = (seq_lens_cpu if seq_lens_cpu is not None else forward_batch.seq_lens.cpu()).tolist()
+    plan = plan_verify(req_to_token, forward_batch.req_pool_indices, seq_lens,
+                       width, custom_mask)
+    forward_batch._selfspec_verify_plan = (key, plan)
+    return plan
 
 
 def _forward_extend_around(original, self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -84,12 +115,9 @@ def _forward_extend_around(original, self, q, k, v, layer, forward_batch, save_k
     o = q.new_empty((q_.shape[0], layer.tp_q_head_num, layer.v_head_dim))
     spec = forward_batch.spec_info
     width = int(getattr(spec, "draft_token_num", 0) or getattr(spec, "num_tokens_per_req", 0))
-    seq_lens_cpu = forward_batch.seq_lens_cpu
-    seq_lens = (seq_lens_cpu if seq_lens_cpu is not None else forward_batch.seq_lens.cpu()).tolist()
     verify_attention(
         q_, self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-        self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, seq_lens, width,
-        getattr(spec, "custom_mask", None), layer.scaling, o,
+        _forward_plan(forward_batch, self.req_to_token_pool.req_to_token, width), layer.scaling, o,
     )
     return o.view(q_.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 

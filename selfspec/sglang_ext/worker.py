@@ -178,6 +178,7 @@ class SelfSpecWorker(BaseSpecWorker):
         self.gate = None  # the gated LoRA's gate (modes that need an adapter)
         # the last decode step's start and outcomes: its period ends where the next step starts
         self._last_step: tuple[float, list] | None = None
+        self._last_end: float | None = None  # when the last decode step returned (debug timing)
         if self.cfg.spec.needs_adapter:
             handle = loramod.attach_to_sglang_model(self.model_runner.model, self.cfg.adapter)
             logger.info("[selfspec] %s gated LoRA attached: %r", self.cfg.algorithm, handle)
@@ -217,14 +218,17 @@ class SelfSpecWorker(BaseSpecWorker):
             return self._decode(batch, on_publish)
         return self._extend(batch, on_publish)
 
-    def _context(self, states: list[RequestState], width: int) -> StepContext:
+    def _context(self, states: list[RequestState], width: int, columns: int | None = None) -> StepContext:
+        """The step's sampling context: `columns` seeds per request (default: all `width`), each
+        request's seed counter advanced by `width`."""
         params = [st.seq.sampling for st in states]
+        columns = width if columns is None else columns
         if all(p.greedy for p in params):
-            seeds = torch.zeros((len(states), width), dtype=torch.long)
+            seeds = torch.zeros((len(states), columns), dtype=torch.long)
         else:
             base = torch.tensor([st.base_seed for st in states], dtype=torch.long)
             counter = torch.tensor([st.counter for st in states], dtype=torch.long)
-            seeds = seedmod.step_seeds(base, counter, width)
+            seeds = seedmod.step_seeds(base, counter, columns)
         for st in states:
             st.counter += width
         return StepContext.from_params(params, seeds.to(self.device), self.verify_ops)
@@ -325,7 +329,7 @@ class SelfSpecWorker(BaseSpecWorker):
         logits = _custom_processors(batch, logits.reshape(bs * W, -1), W).view(bs, W, -1)
         t2 = time.perf_counter()
 
-        ctx = self._context(states, self.mode.seeds_per_step)
+        ctx = self._context(states, self.mode.seeds_per_step, self.mode.step_seed_columns)
         outcomes = watermark.finish_step(self.mode, seqs, step, logits, ctx)  # logprobs: the logits before forcing
         if batch.return_logprob:
             write_decode_logprobs(batch, result.logits_output, logits, outcomes, self.width)
@@ -355,13 +359,16 @@ class SelfSpecWorker(BaseSpecWorker):
         if on_publish is not None:
             on_publish(new_seq_lens)
         t3 = time.perf_counter()
-        if _DEBUG_TIMING:
-            logger.info("[selfspec] step bs=%d plan %.1f ms forward %.1f ms finish %.1f ms", bs,
-                        (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+        if _DEBUG_TIMING:  # between: the scheduler's time since the last step returned
+            between = (t0 - self._last_end) * 1e3 if self._last_end else float("nan")
+            logger.info("[selfspec] step bs=%d plan %.2f ms forward %.2f ms finish %.2f ms between %.2f ms", bs,
+                        (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, between)
         self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0, W)
         self._last_step = (t0, outcomes)
         self._gc_states()
-        return _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, self.width)
+        out = _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, self.width)
+        self._last_end = time.perf_counter()
+        return out
 
     # ------------------------------------------------------------------ helpers
     def _report_period(self, now: float) -> None:
