@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfspec.serving import ServerProcess, ServerSpec, ServeError, free_port
+from selfspec.serving import ServerProcess, ServerSpec, ServeError
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_PROMPT = "Write a Python function that reverses a string."
@@ -91,12 +91,11 @@ def _ask(server: ServerProcess, prompts: list[str], max_tokens: int) -> Run:
 
 
 def _serve(model: str, args: list[str], name: str, prompts: list[str], max_tokens: int) -> Run:
-    port = free_port()
-    log = Path(tempfile.gettempdir()) / f"selfspec-demo-{name}-{port}.log"
-    print(f"starting SGLang ({name}) on 127.0.0.1:{port} with {model} (log: {log}) ...", flush=True)
+    log = Path(tempfile.mkdtemp(prefix=f"selfspec-demo-{name}-")) / "sglang.log"
+    print(f"starting SGLang ({name}) with {model} (log: {log}) ...", flush=True)
     started = time.perf_counter()
-    with ServerProcess(ServerSpec(model, port=port, extra_args=args), log_path=log, startup_timeout=900) as server:
-        print(f"  ready in {time.perf_counter() - started:.0f} s; {len(prompts)} prompts one at a time, "
+    with ServerProcess(ServerSpec(model, port=None, extra_args=args), log_path=log, startup_timeout=900) as server:
+        print(f"  ready on {server.base_url} in {time.perf_counter() - started:.0f} s; {len(prompts)} prompts one at a time, "
               f"then {BURST} at once", flush=True)
         return _ask(server, prompts, max_tokens)
 

@@ -88,7 +88,7 @@ def _adapter_args(adapter: Path, base: Path, extra: list[str]) -> list[str]:
 class ServerSpec:
     model: str
     host: str = "127.0.0.1"
-    port: int = 30000
+    port: int | None = 30000  # None: a free port, chosen at start (and again if another process takes it)
     extra_args: list[str] = field(default_factory=list)
     cpu: bool | None = None  # None: decide from torch.cuda.is_available()
 
@@ -102,7 +102,9 @@ class ServerSpec:
         extra = list(self.extra_args)
         if adapter is not None:
             extra = _adapter_args(adapter, model_path, extra)
-        if port_in_use(self.host, self.port):
+        if self.port is None:
+            self.port = free_port(self.host)
+        elif port_in_use(self.host, self.port):
             raise ServeError(f"port {self.port} on {self.host} is already in use; pick another with --port")
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
                 "--host", self.host, "--port", str(self.port)]
@@ -126,8 +128,16 @@ class ServerSpec:
         return args + extra, env
 
 
+_PORT_CLASH = "address already in use"
+_PORT_ATTEMPTS = 3
+
+
 class ServerProcess:
-    """Start a server in its own process group, wait until it answers, stop it (and its children)."""
+    """Start a server in its own process group, wait until it answers, stop it (and its children).
+
+    With `ServerSpec(port=None)` the port is chosen free at start; a free port can still be taken
+    by another process before SGLang binds it (parallel test servers, benchmarks), so a start
+    that fails with "address already in use" in its log is retried on a fresh port."""
 
     def __init__(self, spec: ServerSpec, log_path: Path | None = None, startup_timeout: float = 300.0):
         self.spec = spec
@@ -141,11 +151,31 @@ class ServerProcess:
         return f"http://{self.spec.host}:{self.spec.port}"
 
     def start(self) -> "ServerProcess":
-        argv, env = self.spec.command()
-        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_ready()
-        return self
+        auto_port = self.spec.port is None
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            if auto_port:
+                self.spec.port = None  # choose again
+            argv, env = self.spec.command()
+            self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+            self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            try:
+                self.wait_ready()
+                return self
+            except ServeError:
+                self.stop()
+                if not (auto_port and attempt < _PORT_ATTEMPTS and self._port_clash()):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _port_clash(self) -> bool:
+        """Whether the failed start's log says a port it bound was taken."""
+        if self.log_path is None:
+            return False
+        try:
+            return _PORT_CLASH in Path(self.log_path).read_text(errors="replace").lower()
+        except OSError:
+            return False
 
     def wait_ready(self) -> None:
         deadline = time.time() + self.startup_timeout

@@ -43,7 +43,7 @@ def server_args(*extra: str) -> list[str]:
 def start_server(tmp_path_factory, name: str, extra_args: list[str], model: str | Path = "tiny-base",
                  env: dict | None = None) -> ServerProcess:
     log = tmp_path_factory.mktemp(f"server-{name}") / "sglang.log"
-    spec = ServerSpec(str(model), port=free_port(), extra_args=list(extra_args))
+    spec = ServerSpec(str(model), port=None, extra_args=list(extra_args))  # free port, retried if taken
     proc = ServerProcess(spec, log_path=log, startup_timeout=600)
     env = {**TEST_ENV, **(env or {})}
     old = {k: os.environ.get(k) for k in env}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from selfspec.models import ModelNotFoundError, resolve_model
-from selfspec.serving import ServeError, ServerSpec
+from selfspec.serving import ServeError, ServerSpec, free_port
 from selfspec.training.corpus import is_heldout, iter_stdlib_files, load_stdlib_split
 from selfspec.training.tokenizer import EOS_TOKEN, IM_END, IM_START, MASK_TOKEN
 
@@ -96,6 +97,51 @@ def test_serve_port_in_use_is_reported(tiny_base_path):
         out = _cli("serve", "--model", "tiny-base", "--port", str(port))
     assert out.returncode == 2
     assert f"port {port}" in out.stderr and "--port" in out.stderr and "Traceback" not in out.stderr
+
+
+_FAKE_SERVER = """
+import http.server, pathlib, sys
+port, marker = int(sys.argv[sys.argv.index("--port") + 1]), pathlib.Path(sys.argv[-1])
+attempt = int(marker.read_text()) + 1 if marker.exists() else 1
+marker.write_text(str(attempt))
+if attempt == 1:  # what uvicorn prints when another process bound the port first
+    print("ERROR: [Errno 98] error while attempting to bind on address: address already in use", flush=True)
+    sys.exit(1)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("clash", ["address already in use", "some other failure"])
+def test_server_start_retries_a_taken_free_port(tmp_path, monkeypatch, clash):
+    """A free port chosen for the server can be taken before SGLang binds it (servers started side
+    by side): the start is retried on a new port; any other failure is reported at once."""
+    from selfspec.serving import ServeError, ServerProcess, ServerSpec
+
+    script, marker = tmp_path / "fake_server.py", tmp_path / "attempts"
+    script.write_text(_FAKE_SERVER.replace("address already in use", clash))
+    spec = ServerSpec("tiny-base", port=None)
+    ports = []
+
+    def command(self):
+        self.port = free_port()
+        ports.append(self.port)
+        return [sys.executable, str(script), "--port", str(self.port), str(marker)], dict(os.environ)
+
+    monkeypatch.setattr(ServerSpec, "command", command)
+    proc = ServerProcess(spec, log_path=tmp_path / "server.log", startup_timeout=60)
+    if clash != "address already in use":
+        with pytest.raises(ServeError, match="exited with code 1"):
+            proc.start()
+        assert marker.read_text() == "1"
+        return
+    with proc:
+        assert marker.read_text() == "2" and len(ports) == 2
+        assert proc.base_url.endswith(f":{ports[-1]}")
 
 
 def test_serve_without_sglang_names_the_fix(monkeypatch, tiny_base_path):

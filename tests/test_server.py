@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from selfspec.decoding.sampling import SamplingParams
-from selfspec.serving import ServerProcess, ServerSpec, free_port
+from selfspec.serving import ServerProcess, ServerSpec
 
 pytestmark = pytest.mark.server
 
@@ -20,7 +20,7 @@ MAX_NEW = 32
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "sglang.log"
-    proc = ServerProcess(ServerSpec("tiny-base", port=free_port()), log_path=log)
+    proc = ServerProcess(ServerSpec("tiny-base", port=None), log_path=log)
     try:
         proc.start()
     except Exception:

@@ -346,7 +346,7 @@ def _mode_extra(run: ModeRun, args, model_dir: Path) -> tuple[list[str] | None, 
 
 def run(args: argparse.Namespace) -> int:
     from selfspec.models import resolve_with_adapter
-    from selfspec.serving import ServerProcess, ServerSpec, cuda_available, free_port
+    from selfspec.serving import ServerProcess, ServerSpec, cuda_available
 
     try:
         modes = parse_modes(args.modes)
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for mode in modes:
             report["results"].append(_bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai,
-                                                 input_tokens, ServerProcess, ServerSpec, free_port))
+                                                 input_tokens, ServerProcess, ServerSpec))
     finally:
         if env_backup is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -422,7 +422,7 @@ def _mean_prompt_tokens(model_dir: Path, prompts: list[str]) -> int:
 
 
 def _bench_mode(run: ModeRun, args, model_dir, all_prompts, levels, log_dir, use_genai, input_tokens,
-                ServerProcess, ServerSpec, free_port) -> dict:
+                ServerProcess, ServerSpec) -> dict:
     mode, label = run.mode, run.label
     extra, skip = _mode_extra(run, args, model_dir)
     row: dict[str, Any] = {"mode": mode, "label": label, "status": "ok", "reason": None, "server_args": extra or [], "levels": [],
@@ -432,7 +432,7 @@ def _bench_mode(run: ModeRun, args, model_dir, all_prompts, levels, log_dir, use
         print(f"[bench serve] {label}: skipped ({skip})", file=sys.stderr)
         return row
     log = log_dir / f"server-{label}.log"
-    proc = ServerProcess(ServerSpec(str(model_dir), port=free_port(), extra_args=extra), log_path=log,
+    proc = ServerProcess(ServerSpec(str(model_dir), port=None, extra_args=extra), log_path=log,
                          startup_timeout=args.startup_timeout)
     t0 = time.perf_counter()
     try:

@@ -45,7 +45,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, prompt: list[int], 
 
     import yaml
 
-    from selfspec.serving import ServerProcess, ServerSpec, free_port
+    from selfspec.serving import ServerProcess, ServerSpec
 
     work = Path(log_dir or tempfile.mkdtemp(prefix="selfspec-tune-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -57,7 +57,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, prompt: list[int], 
     os.environ["OMP_NUM_THREADS"] = str(threads)
     measured: dict[int, float] = {}
     try:
-        with ServerProcess(ServerSpec(model, port=free_port(), extra_args=args), log_path=work / "server.log",
+        with ServerProcess(ServerSpec(model, port=None, extra_args=args), log_path=work / "server.log",
                            startup_timeout=900) as server:
             _wall(server.base_url, [prompt], SHORT)  # warm-up
             for b in batches:
