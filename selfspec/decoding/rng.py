@@ -46,20 +46,32 @@ def hash_int(seed: int, offset: int) -> int:
     return x ^ (x >> 16)
 
 
-def _hash_small(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    seed, offset = torch.broadcast_tensors(seed, offset)
-    bits = [hash_int(s, o) for s, o in zip(seed.flatten().tolist(), offset.flatten().tolist())]
-    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(seed.shape)
+def _small_pairs(seed: torch.Tensor, offset: torch.Tensor) -> tuple[list, list, torch.Size] | None:
+    """(seeds, offsets, shape) as host lists when the draw is small and on the CPU, else None."""
+    if seed.device.type != "cpu" or offset.device.type != "cpu":
+        return None
+    if seed.shape != offset.shape:
+        if seed.numel() > SMALL_DRAW or offset.numel() > SMALL_DRAW:
+            return None
+        seed, offset = torch.broadcast_tensors(seed, offset)
+    if seed.numel() > SMALL_DRAW:
+        return None
+    return seed.flatten().tolist(), offset.flatten().tolist(), seed.shape
+
+
+def _hash_small(pairs: tuple[list, list, torch.Size]) -> torch.Tensor:
+    seeds, offsets, shape = pairs
+    bits = [hash_int(s, o) for s, o in zip(seeds, offsets)]
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(shape)
 
 
 def _hash_i32(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """The hash's 32 bits in an int32 tensor. int32 adds and multiplies wrap modulo 2^32 like
     the uint32 Triton code (right shifts are masked to be logical); the full-vocabulary draws
     hash [B, V] elements, and int32 halves the memory traffic of int64."""
-    if seed.device.type == "cpu" and offset.device.type == "cpu" and max(seed.numel(), offset.numel()) <= SMALL_DRAW:
-        n = torch.broadcast_shapes(seed.shape, offset.shape).numel()
-        if n <= SMALL_DRAW:
-            return _hash_small(seed, offset)
+    pairs = _small_pairs(seed, offset)
+    if pairs is not None:
+        return _hash_small(pairs)
     x = _wrap32((seed.long() & _MASK32) * _GOLDEN) + _wrap32(offset.long())
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * _M1_I32
@@ -79,6 +91,11 @@ def uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     23 bits, not 24: (2^24 - 0.5) / 2^24 rounds to exactly 1.0 in fp32, whose Gumbel noise is
     +inf and would let a zero-probability token win a Gumbel-max draw.
     """
+    pairs = _small_pairs(seed, offset)
+    if pairs is not None:  # (k + 0.5) / 2^23 with k < 2^23 is exact in float32 as in double
+        seeds, offsets, shape = pairs
+        values = [((hash_int(s, o) >> 9) + 0.5) * (1.0 / (1 << 23)) for s, o in zip(seeds, offsets)]
+        return torch.tensor(values, dtype=torch.float32).view(shape)
     return (((_hash_i32(seed, offset) >> 9) & 0x7FFFFF).float() + 0.5) * (1.0 / (1 << 23))
 
 

@@ -92,10 +92,13 @@ def logits_to_probs(
     logits = logits.float()
     rows = logits.shape[:-1]
     vocab = logits.shape[-1]
-    temp = _broadcast(temperature, rows, torch.float32, logits.device)
-
-    greedy = temp <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(-1)
+    if not isinstance(temperature, torch.Tensor) and temperature > 0:  # one temperature, no greedy row
+        greedy = None
+        scaled = logits / float(temperature)
+    else:
+        temp = _broadcast(temperature, rows, torch.float32, logits.device)
+        greedy = temp <= 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(-1)
     probs = torch.softmax(scaled, dim=-1)
     keep = None
 
@@ -130,7 +133,7 @@ def logits_to_probs(
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
 
-    if bool(greedy.any()):
+    if greedy is not None and bool(greedy.any()):
         one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
         probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
     return probs

@@ -99,6 +99,10 @@ def collate(layouts: list[StepLayout], pad_token: int = 0, device=None) -> StepB
     real query sees it, and it sees only the trunk and itself (no fully masked rows)."""
     width = max(len(lay) for lay in layouts)
     bsz = len(layouts)
+    if width == 1 and all(lay.gate is None for lay in layouts):  # AR steps: skip the general build
+        tokens = torch.tensor([lay.tokens for lay in layouts], dtype=torch.long, device=device)
+        zeros = torch.zeros((bsz, 1), dtype=torch.long, device=device)
+        return StepBatch(tokens, zeros, torch.ones((bsz, 1, 1), dtype=torch.bool, device=device), None, [1] * bsz)
     tokens = torch.full((bsz, width), pad_token, dtype=torch.long)
     offsets = torch.arange(width).repeat(bsz, 1)
     branch = torch.full((bsz, width), -1, dtype=torch.long)
@@ -131,6 +135,10 @@ class StepContext:
     seeds: torch.Tensor  # [B, Mode.seeds_per_step] long
     ops: VerifyOps = REFERENCE_OPS  # the verify implementations (chosen once by the engine)
     filtered: bool = True  # some row uses top-k / top-p / min-p (False: known from the params)
+    # known from the params: every row's temperature when they share one (else None), and
+    # whether every row is greedy (None: read from `temperature`)
+    shared_temperature: float | None = None
+    known_all_greedy: bool | None = None
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -138,12 +146,14 @@ class StepContext:
 
     @property
     def all_greedy(self) -> bool:
+        if self.known_all_greedy is not None:
+            return self.known_all_greedy
         return bool(self.greedy.all())
 
     def select(self, rows: torch.Tensor) -> StepContext:
         """The context of a subset of the batch's rows."""
         return StepContext(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
-                           self.seeds[rows], self.ops, self.filtered)
+                           self.seeds[rows], self.ops, self.filtered, self.shared_temperature)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The rows' sampling distributions: logits [B, ..., V] -> probs (`sampling.logits_to_probs`)."""
@@ -151,10 +161,12 @@ class StepContext:
 
     def sampling_args(self) -> tuple:
         """(temperature, top_k, top_p, min_p) for the sampling and verify functions, the filters
-        as their neutral scalars when no row uses them (the functions then skip them outright)."""
+        as their neutral scalars when no row uses them (the functions then skip them outright),
+        the temperature as a number when every row has the same one."""
+        temperature = self.temperature if self.shared_temperature is None else self.shared_temperature
         if self.filtered:
-            return self.temperature, self.top_k, self.top_p, self.min_p
-        return self.temperature, 0, 1.0, 0.0
+            return temperature, self.top_k, self.top_p, self.min_p
+        return temperature, 0, 1.0, 0.0
 
     def row(self, b: int) -> dict:
         """Row b's settings as the scalar keywords of `tree_verify.verify_paths`."""
@@ -172,6 +184,8 @@ class StepContext:
             seeds,
             ops,
             filtered=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params),
+            shared_temperature=params[0].temperature if len({p.temperature for p in params}) == 1 else None,
+            known_all_greedy=all(p.greedy for p in params),
         )
 
 

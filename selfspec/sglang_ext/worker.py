@@ -335,13 +335,13 @@ class SelfSpecWorker(BaseSpecWorker):
             write_decode_logprobs(batch, result.logits_output, logits, outcomes, self.width)
 
         accept_lens_list = []
-        emitted = torch.zeros(bs, self.width, dtype=torch.int64)  # the scheduler reads this stride
+        emitted_rows = []  # [bs, self.width]: the scheduler reads this stride
         src, tgt = [], []
         for r, (st, out) in enumerate(zip(states, outcomes)):
             n = len(out.emit)
             if n < 1 or len(out.keep) != n:
                 raise RuntimeError(f"mode {self.mode.name} returned emit {out.emit} / keep {out.keep}")
-            emitted[r, :n] = torch.tensor(out.emit, dtype=torch.int64)
+            emitted_rows.append(list(out.emit) + [0] * (self.width - n))
             for j, k in enumerate(out.keep):
                 if k != j:
                     src.append(r * W + k)
@@ -354,7 +354,7 @@ class SelfSpecWorker(BaseSpecWorker):
 
         accept_lens = torch.tensor(accept_lens_list, dtype=torch.int32, device=dev)
         new_seq_lens = seq_lens + accept_lens.to(seq_lens.dtype)
-        next_token_ids = emitted.to(dev).flatten()
+        next_token_ids = torch.tensor(emitted_rows, dtype=torch.int64).to(dev).flatten()
         batch.forward_mode = ForwardMode.DECODE
         if on_publish is not None:
             on_publish(new_seq_lens)
