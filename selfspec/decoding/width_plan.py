@@ -50,7 +50,11 @@ class PlanBucket:
 class OnlineCheckConfig:
     probe_every: int = 48  # steps on the faster arm between two probes of the other
     probe_steps: int = 6  # steps per probe (the probed mode's opening step included)
-    decay: float = 0.8  # weight of the past in an arm's rate, per step
+    # weight of the past in an arm's rate, per step of that arm: ~20 steps of memory. A
+    # speculative mode's rate swings step to step (a 17-token candidate run, then 1-token
+    # steps); with 0.8 (~5 steps) a short unlucky run read slower than AR and parked a greedy
+    # batch-1 server on AR steps for over half its steps (README "Online check").
+    decay: float = 0.95
     margin: float = 0.03  # the other arm must be this much faster to take over
 
     def __post_init__(self) -> None:
