@@ -189,3 +189,16 @@ def test_online_check_keeps_a_faster_plan_whose_rate_swings(decay, keeps_plan):
             check.observe(key, arm, 1, 0.0065)
     share = arms[200:].count("plan") / 1800
     assert (share > 0.75) == keeps_plan, share  # 0.87-0.89 vs 0.42-0.57 over seeds 0-4
+
+
+def test_online_check_probes_less_the_further_the_running_arm_leads():
+    from selfspec.decoding.width_plan import OnlineCheck, OnlineCheckConfig
+
+    def probe_share(plan_rate: float) -> float:
+        check = OnlineCheck(OnlineCheckConfig())
+        arms = _run_check(check, (False, 0), {"plan": plan_rate, "ar": 100.0}, 3000)
+        return arms[500:].count("ar") / 2500
+
+    near, far = probe_share(110.0), probe_share(400.0)
+    assert 0.08 < near < 0.13  # 6 probe steps per 48 + 6
+    assert 0.02 < far < 0.04  # 6 per 4 x 48 + 6

@@ -17,10 +17,11 @@ a prefix of the widest bucket's, so every bucket reads its seeds where it would 
 The plan is a prediction; `OnlineCheck` verifies it while serving. The serving engine reports
 each step's wall-clock period (`PlannedMode.observe`; the offline engine does not, so its
 choices stay a function of the batch alone); per batch-size class the check keeps the
-measured rate (tokens per second per request) of the bucket's mode and of plain AR steps, runs
-the faster one and now and then probes the other for a few steps. A plan whose speculation does
-not pay on the machine it runs on (the cost model mispredicted, the load is not the tuner's)
-then falls back to AR steps by measurement, at the price of the probes.
+measured rate (tokens per second per request, over the last ~20 steps of the class) of the
+bucket's mode and of plain AR steps, runs the faster one and now and then probes the other for a
+few steps, the more rarely the further the running one leads. A plan whose speculation does not
+pay on the machine it runs on (the cost model mispredicted, the load is not the tuner's) then
+falls back to AR steps by measurement, at the price of the probes.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class PlanBucket:
 
 @dataclass(frozen=True)
 class OnlineCheckConfig:
-    probe_every: int = 48  # steps on the faster arm between two probes of the other
+    probe_every: int = 48  # steps on the faster arm between two probes of the other, at parity
+    # (stretched by how far the faster arm leads, up to 4x)
     probe_steps: int = 6  # steps per probe (the probed mode's opening step included)
-    # weight of the past in an arm's rate, per step of that arm: ~20 steps of memory. A
+    # weight of the past in an arm's rate, per step (of either arm): ~20 steps of memory. A
     # speculative mode's rate swings step to step (a 17-token candidate run, then 1-token
     # steps); with 0.8 (~5 steps) a short unlucky run read slower than AR and parked a greedy
     # batch-1 server on AR steps for over half its steps (README "Online check").
@@ -130,11 +132,15 @@ def size_class(batch_size: int) -> int:
     return round(2 * math.log2(max(batch_size, 1)))
 
 
+_MAX_PROBE_STRETCH = 4.0
+
+
 class _Arm:
-    __slots__ = ("tokens", "seconds")
+    __slots__ = ("tokens", "seconds", "last")
 
     def __init__(self) -> None:
         self.tokens = self.seconds = 0.0
+        self.last = 0  # the key's observation count when this arm was last observed
 
     @property
     def known(self) -> bool:
@@ -156,6 +162,7 @@ class OnlineCheck:
         self._best: dict[Any, str] = {}
         self._since_probe: dict[Any, int] = {}
         self._probing: dict[Any, int] = {}  # steps left in the current probe
+        self._observed: dict[Any, int] = {}  # observations per key
         self.switches = 0  # times the faster arm changed
         self.observations = 0
 
@@ -169,7 +176,13 @@ class OnlineCheck:
             self._probing[key] -= 1
             return other
         since = self._since_probe.get(key, 0) + 1
-        wait = cfg.probe_every if arms[other].known else 2 * cfg.probe_steps
+        if arms[other].known:
+            # the further ahead the running arm, the less a probe can find and the more it costs:
+            # probe every probe_every steps at parity, up to 4x as rarely
+            lead = arms[best].rate / arms[other].rate if arms[other].rate > 0 else _MAX_PROBE_STRETCH
+            wait = int(cfg.probe_every * min(max(lead, 1.0), _MAX_PROBE_STRETCH))
+        else:
+            wait = 2 * cfg.probe_steps
         if since > wait:
             self._since_probe[key] = 0
             self._probing[key] = cfg.probe_steps - 1
@@ -179,10 +192,14 @@ class OnlineCheck:
 
     def observe(self, key: Any, arm: str, tokens_per_request: float, seconds: float) -> None:
         self.observations += 1
+        count = self._observed[key] = self._observed.get(key, 0) + 1
         a = self._arms.setdefault(key, {"plan": _Arm(), "ar": _Arm()})[arm]
-        d = self.config.decay
+        # the past fades per step of the key, not per step of the arm: a probe's fresh steps
+        # outweigh what the arm measured dozens of steps ago (the text has changed since)
+        d = self.config.decay ** (count - a.last)
         a.tokens = d * a.tokens + tokens_per_request
         a.seconds = d * a.seconds + seconds
+        a.last = count
         plan, ar = self._arms[key]["plan"], self._arms[key]["ar"]
         if not (plan.known and ar.known):
             return
