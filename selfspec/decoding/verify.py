@@ -7,8 +7,10 @@ Layout shared by all rules, batched over sequences b and draft positions i:
   num_drafts    [B]          how many drafts of the row are real (the rest is padding)
 Per-row randomness comes from `seeds [B, D+1]` through `selfspec.decoding.rng`: the accept
 uniform of position i is uniform(seed[b, i], 0); Gumbel noise for vocab entry v at that
-position is gumbel(seed[b, i], v + 1) (`rng.race_argmax`). Identical seeds give identical results in every
-implementation (the Triton kernels are tested bit-exact against these references).
+position is gumbel(seed[b, i], v + 1) (drawn here in its exponential-race form,
+`rng.race_argmax`). Identical seeds give identical results in every implementation (the Triton
+kernels are tested bit-exact against these references; the two forms of the draw could part
+only at an exact float tie).
 
 The `*_reference` functions are the definitions. Modes call whatever `VerifyOps` the engine
 put in the step context; kernels of the same functions live in `selfspec.kernels`, which this
