@@ -152,9 +152,8 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         auto_port = self.spec.port is None
-        for attempt in range(1, _PORT_ATTEMPTS + 1):
-            if auto_port:
-                self.spec.port = None  # choose again
+        attempt = 1
+        while True:
             argv, env = self.spec.command()
             self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
             self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -166,7 +165,8 @@ class ServerProcess:
                 self.stop()
                 if not (auto_port and attempt < _PORT_ATTEMPTS and self._port_clash()):
                     raise
-        raise AssertionError("unreachable")
+            attempt += 1
+            self.spec.port = None  # choose again
 
     def _port_clash(self) -> bool:
         """Whether the failed start's log says a port it bound was taken."""
