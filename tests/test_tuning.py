@@ -110,3 +110,58 @@ def test_written_config_round_trips_into_the_server_config(tmp_path, tiny_base_p
     assert widest > 1
     assert sa.speculative_algorithm == "ISD"
     assert int(sa.speculative_num_draft_tokens) == widest
+
+
+def test_step_overhead_prices_wide_steps_by_their_query_tokens():
+    from selfspec.tuning.cost import StepOverhead
+
+    ov = StepOverhead(ar_ms={1: 2.0, 32: 5.0}, verify_ms={10: 1.0, 100: 10.0})
+    assert ov.ms(1) == pytest.approx(2.0) and ov.ms(1, width=1) == pytest.approx(2.0)  # AR: no verify part
+    assert ov.ms(1, width=10) == pytest.approx(3.0)
+    assert ov.ms(10, width=10) == pytest.approx(2.0 + 3.0 * 9 / 31 + 10.0)  # 100 query tokens
+    assert ov.ms(4, width=5) < ov.ms(4, width=25)  # more rows cost more at the same batch
+    lin = StepOverhead.linear(1.5, 0.25)
+    assert [lin.ms(b) for b in (1, 8, 64)] == pytest.approx([1.75, 3.5, 17.5]) and lin.ms(8, 16) == lin.ms(8)
+    assert StepOverhead().ms(8, 16) == 0.0
+
+
+def test_calibration_plan_alternates_ar_and_the_candidate_by_batch():
+    from selfspec.tuning.calibrate import calibration_batches, calibration_plan
+
+    assert calibration_batches([1, 2, 4, 8, 16, 32]) == ([2, 8, 32], [1, 9, 33])
+    assert calibration_batches([1, 2]) == ([2], [1])
+    assert calibration_batches([1, 2, 3, 4]) == ([2, 3], [1, 4])  # AR at 4 would collide with verify at 4
+    cand = CANDIDATES[2]
+    plan = WidthPlan.from_dict(calibration_plan([2, 8, 32], [1, 9, 33], cand, None), "isd")
+    assert plan.online is None  # the calibration follows the plan blindly
+    for a in (2, 8, 32):
+        assert plan.greedy[plan.bucket(a, False)].mode == "ar"
+    for v in (1, 9, 33):
+        verify = plan.greedy[plan.bucket(v, False)]
+        assert (verify.mode, verify.options["stride"]) == ("isd", 4)
+        assert plan.sampled[plan.bucket(v, True)].mode == "ar"  # no sampled candidate: AR everywhere
+
+
+def test_fit_overhead_recovers_the_served_step_cost():
+    from selfspec.tuning.calibrate import fit_overhead, middle_width
+
+    costs = table(lambda b, w: 2.0 + b * w)
+    true_ar = {1: 2.0, 8: 4.0, 32: 9.0}  # what a served step costs beyond the forward, every step
+    width = 7
+    ar = {b: costs.time_ms(b, 1) + x for b, x in true_ar.items()}
+    verify_extra = {2: 1.0, 9: 3.0, 33: 12.0}  # beyond that, for a width-7 step
+    from selfspec.tuning.cost import StepOverhead
+
+    truth = StepOverhead(ar_ms=true_ar)
+    verify = {b: costs.time_ms(b, width) + truth.ms(b) + x for b, x in verify_extra.items()}
+    ov = fit_overhead(costs, ar, verify, width)
+    assert ov.ar_ms == pytest.approx(true_ar)
+    assert ov.verify_ms == pytest.approx({b * width: x for b, x in verify_extra.items()})
+    for b, ms in verify.items():  # the fitted model reproduces every measured step
+        assert costs.time_ms(b, width) + ov.ms(b, width) == pytest.approx(ms)
+    assert ov.measured == {"ar": ar, "verify@7": verify}
+    # a step measured faster than its forward is priced at the forward, never below
+    assert fit_overhead(costs, {1: 0.5}, {}, 1).ms(1) == 0.0
+    assert middle_width(CANDIDATES, "greedy").width == 7
+    assert middle_width([CANDIDATES[0], Candidate("jacobi", {}, 8, {"greedy": 2.0, "sampled": float("nan")})],
+                        "sampled") is None

@@ -1,85 +1,162 @@
-"""A server's cost per step beyond the model forward, measured.
+"""What a served step costs beyond the model forward, measured on a server of the mode.
 
 The cost grid times the HF engine's forward; a served step also schedules, builds the step,
-samples and streams. To learn that part, serve the mode with a plan of plain AR steps (so the
-step is the worker's own width-1 verify forward), send `batch` concurrent greedy requests of a
-short and a long length (EOS ignored) and take the difference: (long − short) wall time over
-(long − short) tokens is one decode step at that batch, free of prefill and HTTP set-up. The
-overhead at a batch is that step time minus the grid's forward time at width 1; a line through
-the smallest and largest batch measured gives `StepOverhead`.
+runs SGLang's extend path for a wide step, applies the verify rules to every query row and
+streams. To learn that part, one server of the mode runs a calibration plan whose buckets
+alternate by batch size: a fixed verify candidate at batch 1, plain AR steps at 2, then AR at a
+middle size and the largest with the candidate at one more (one plan for greedy batches, one for
+sampled ones, the online check off). `batch` concurrent identical requests (EOS ignored; sampled ones share a
+seed, so every row commits the same tokens and the batch stays whole) of a short and a long
+length are timed; (long − short) wall time over (long − short) forwards is one step at that
+batch, free of prefill and HTTP set-up. What the step costs beyond the grid's forward is split
+as `cost.StepOverhead` prices it: the AR step's excess by batch, and the verify step's excess
+over that by its query tokens, batch · width.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import statistics
 import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
+from selfspec.tuning.acceptance import Candidate
 from selfspec.tuning.cost import CostTable, StepOverhead
 
-SHORT, LONG = 16, 80
+SHORT, LONG = 16, 144
+SEED = 1234  # sampled calibration requests share it: identical rows, one batch throughout
+SMALL_BATCH_REPEATS = 3  # small-batch steps are a few ms: the median of a few timings
 
 
-def _generate(base_url: str, prompt: list[int], tokens: int) -> None:
-    body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}}
+def calibration_batches(batch_sizes: list[int]) -> tuple[list[int], list[int]]:
+    """(batches where AR steps are timed, batches where verify steps are): verify at 1 and AR at 2
+    (batch 1 is where a wide step's fixed costs weigh most), then AR at a middle size and at the
+    largest, each with verify at one more."""
+    ar, verify = [2], [1]
+    for a in sorted({batch_sizes[len(batch_sizes) // 2], batch_sizes[-1]}):
+        if a > max(ar[-1], verify[-1]):
+            ar.append(a)
+            verify.append(a + 1)
+    return ar, verify
+
+
+def calibration_plan(ar_batches: list[int], verify_batches: list[int], greedy: Candidate | None,
+                     sampled: Candidate | None) -> dict:
+    """Plan buckets: AR steps at `ar_batches`, the candidate at `verify_batches` (None: AR there
+    too); batches in between fall in the next bucket and are never timed."""
+    def kind(cand: Candidate | None) -> list[dict]:
+        verify = {"mode": "ar"} if cand is None else {"mode": cand.mode, **cand.options}
+        steps = {**{b: {"mode": "ar"} for b in ar_batches}, **{b: verify for b in verify_batches}}
+        out = [{"max_batch": b, **steps[b]} for b in sorted(steps)]
+        out[-1]["max_batch"] = None
+        return out
+
+    return {"greedy": kind(greedy), "sampled": kind(sampled), "online": False}
+
+
+def _generate(base_url: str, prompt: list[int], tokens: int, temperature: float) -> int:
+    """Forwards the request took (prefill included)."""
+    params = {"temperature": temperature, "max_new_tokens": tokens, "ignore_eos": True}
+    if temperature > 0:
+        params["sampling_seed"] = SEED
+    body = {"input_ids": prompt, "sampling_params": params}
     req = urllib.request.Request(base_url + "/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
-        r.read()
+        meta = json.loads(r.read())["meta_info"]
+    return int(meta.get("selfspec_forwards") or meta["completion_tokens"])
 
 
-def _wall(base_url: str, prompts: list[list[int]], tokens: int) -> float:
-    with ThreadPoolExecutor(len(prompts)) as ex:
+def _run(base_url: str, prompt: list[int], batch: int, tokens: int, temperature: float) -> tuple[float, int]:
+    """Wall seconds of `batch` concurrent requests, and the most forwards one of them took."""
+    with ThreadPoolExecutor(batch) as ex:
         t0 = time.perf_counter()
-        list(ex.map(lambda p: _generate(base_url, p, tokens), prompts))
-        return time.perf_counter() - t0
+        forwards = list(ex.map(lambda _: _generate(base_url, prompt, tokens, temperature), range(batch)))
+        return time.perf_counter() - t0, max(forwards)
 
 
-def server_overhead(model: str, mode: str, costs: CostTable, prompt: list[int], batches: list[int],
-                    threads: int = 1, log_dir: str | None = None, progress=None) -> StepOverhead:
-    """Serve `model` under `mode` with all-AR steps and measure its step time at each batch."""
-    import os
+def step_ms(base_url: str, prompt: list[int], batch: int, temperature: float) -> float:
+    """One decode step of `batch` requests, from a long and a short run's difference."""
+    def once() -> float:
+        wall_s, fw_s = _run(base_url, prompt, batch, SHORT, temperature)
+        wall_l, fw_l = _run(base_url, prompt, batch, LONG, temperature)
+        return 1e3 * max(wall_l - wall_s, 0.0) / max(fw_l - fw_s, 1)
 
+    return statistics.median(once() for _ in range(SMALL_BATCH_REPEATS if batch <= 2 else 1))
+
+
+def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dict[int, float],
+                 width: int) -> StepOverhead:
+    """`ar_steps`: batch -> measured AR step ms; `verify_steps`: batch -> measured step ms of a
+    `width`-token verify candidate. Excesses are clamped at 0 (a step never costs less than
+    its forward)."""
+    ar = {b: max(ms - costs.time_ms(b, 1), 0.0) for b, ms in sorted(ar_steps.items())}
+    ov = StepOverhead(ar_ms=ar)
+    verify = {b * width: max(ms - costs.time_ms(b, width) - ov.ms(b), 0.0) for b, ms in sorted(verify_steps.items())}
+    measured = {"ar": dict(ar_steps)}
+    if verify_steps:
+        measured[f"verify@{width}"] = dict(verify_steps)
+    return StepOverhead(ar_ms=ar, verify_ms=verify, measured=measured)
+
+
+def middle_width(cands: list[Candidate], kind: str) -> Candidate | None:
+    """The calibration's verify candidate: the median width of those that serve `kind`."""
+    usable = sorted((c for c in cands if c.mode != "ar" and math.isfinite(c.tokens_per_step.get(kind, math.nan))),
+                    key=lambda c: c.width)
+    return usable[len(usable) // 2] if usable else None
+
+
+def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candidate], prompt: list[int],
+                    batch_sizes: list[int], temperature: float, threads: int = 1, log_dir: str | None = None,
+                    progress=None) -> dict[str, StepOverhead]:
+    """Serve `model` under `mode` with the calibration plan; the overhead per sampling kind."""
     import yaml
 
     from selfspec.serving import ServerProcess, ServerSpec
 
+    ar_batches, verify_batches = calibration_batches(batch_sizes)
+    chosen = {"greedy": middle_width(cands, "greedy"), "sampled": middle_width(cands, "sampled")}
     work = Path(log_dir or tempfile.mkdtemp(prefix="selfspec-tune-"))
     work.mkdir(parents=True, exist_ok=True)
-    plan = work / "all-ar.yaml"
-    plan.write_text(yaml.safe_dump({"mode": mode.upper(), "plan": [{"max_batch": None, "mode": "ar"}]}))
+    plan = work / "calibration.yaml"
+    plan.write_text(yaml.safe_dump({"mode": mode.upper(), "plan": calibration_plan(
+        ar_batches, verify_batches, chosen["greedy"], chosen["sampled"])}))
     args = ["--speculative-algorithm", mode.upper(), "--selfspec-config", str(plan),
-            "--max-running-requests", str(max(batches))]
+            "--max-running-requests", str(max(ar_batches + verify_batches))]
+    out: dict[str, StepOverhead] = {}
+    with _omp_threads(threads), ServerProcess(ServerSpec(model, port=None, extra_args=args),
+                                              log_path=work / "server.log", startup_timeout=900) as server:
+        _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
+        for kind, temp in (("greedy", 0.0), ("sampled", temperature)):
+            cand = chosen[kind]
+            if cand is None and kind == "sampled":  # a greedy-only mode: its sampled batches run AR steps
+                out[kind] = StepOverhead(ar_ms=dict(out["greedy"].ar_ms))
+                if progress is not None:
+                    progress.update(len(ar_batches))
+                continue
+            ar = {a: step_ms(server.base_url, prompt, a, temp) for a in ar_batches}
+            verify = {v: step_ms(server.base_url, prompt, v, temp) for v in verify_batches} if cand else {}
+            if progress is not None:
+                progress.update(len(ar_batches))
+            out[kind] = fit_overhead(costs, ar, verify, cand.width if cand is not None else 1)
+    return out
+
+
+@contextmanager
+def _omp_threads(threads: int):
+    """The server's torch threads: what the cost grid was timed with."""
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    measured: dict[int, float] = {}
     try:
-        with ServerProcess(ServerSpec(model, port=None, extra_args=args), log_path=work / "server.log",
-                           startup_timeout=900) as server:
-            _wall(server.base_url, [prompt], SHORT)  # warm-up
-            for b in batches:
-                prompts = [prompt] * b
-                step_s = (_wall(server.base_url, prompts, LONG) - _wall(server.base_url, prompts, SHORT)) / (LONG - SHORT)
-                measured[b] = 1e3 * max(step_s, 0.0)
-                if progress is not None:
-                    progress.update(1)
+        yield
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = old
-    return fit_overhead(costs, measured)
-
-
-def fit_overhead(costs: CostTable, measured: dict[int, float]) -> StepOverhead:
-    """The line through the overheads (measured step − forward at width 1) of the smallest and
-    largest batch; never negative."""
-    over = {b: ms - costs.time_ms(b, 1) for b, ms in measured.items()}
-    lo, hi = min(over), max(over)
-    slope = (over[hi] - over[lo]) / (hi - lo) if hi > lo else 0.0
-    slope = max(slope, 0.0)
-    base = max(over[lo] - slope * lo, 0.0)
-    return StepOverhead(base, slope, dict(measured))

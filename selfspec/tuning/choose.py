@@ -1,7 +1,7 @@
 """The plan: per batch size, the candidate with the most expected output tokens per second.
 
-A step of batch b where every request runs candidate c costs T(b, width_c) + overhead(b) (the
-forward, then what a server step costs besides, `cost.StepOverhead`) and commits
+A step of batch b where every request runs candidate c costs T(b, width_c) + overhead(b, width_c)
+(the forward, then what a server step costs besides, `cost.StepOverhead`) and commits
 b · tokens_per_step_c tokens, so its throughput is b · tokens_per_step_c / (T + overhead).
 Every batch size from 1 to `max_batch` gets its best candidate; runs of equal choices become
 one bucket, the last one open. A batch size keeps the previous size's choice while that is within
@@ -28,16 +28,17 @@ class Choice:
 
 
 def throughput(costs: CostTable, cand: Candidate, kind: str, batch: int,
-               overhead: StepOverhead = StepOverhead()) -> float:
+               overhead: StepOverhead | None = None) -> float:
     """Predicted output tokens per second of `batch` requests running `cand`."""
     tps = cand.tokens_per_step.get(kind, float("nan"))
     if not math.isfinite(tps):
         return float("nan")
-    return 1e3 * batch * tps / (costs.time_ms(batch, cand.width) + overhead.ms(batch))
+    extra = overhead.ms(batch, cand.width) if overhead is not None else 0.0
+    return 1e3 * batch * tps / (costs.time_ms(batch, cand.width) + extra)
 
 
 def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: int,
-           overhead: StepOverhead = StepOverhead(), stickiness: float = 0.03) -> list[Choice]:
+           overhead: StepOverhead | None = None, stickiness: float = 0.03) -> list[Choice]:
     """The best candidate at every batch size 1 … max_batch (ties: the narrower)."""
     out: list[Choice] = []
     for b in range(1, max_batch + 1):

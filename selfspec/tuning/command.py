@@ -9,9 +9,10 @@ each decode step with the configuration of the bucket its batch falls in (greedy
 batches with sampled rows apart), plain AR steps included. The forward cost is measured on the
 HF engine with `--threads` torch threads (default 1, what `selfspec bench serve` gives each CPU
 server process) and `--dtype` (default float32, what `selfspec serve` uses on a CPU). What a
-served step costs besides the forward (scheduling, bookkeeping) is measured on a real server of
-the mode running plain AR steps, at the smallest and largest batch (`calibrate.py`; about a
-minute), or given with `--step-overhead-ms BASE[,PER_REQUEST]` (0 for the offline engine).
+served step costs besides the forward (scheduling, bookkeeping, the extend path and verify rules
+of a wide step) is measured on a real server of the mode running AR and verify steps at a few
+batch sizes (`calibrate.py`; about a minute per mode), or given with
+`--step-overhead-ms BASE[,PER_REQUEST]` (0 for the offline engine).
 """
 
 from __future__ import annotations
@@ -118,11 +119,13 @@ def run(args: argparse.Namespace) -> int:
                  for m in modes for opts in acceptance.GRIDS[m])
     if widest > widths[-1]:
         widths.append(widest)
-    calibrate = [1, batch_sizes[-1]] if overhead is None else []
+    from selfspec.tuning.calibrate import calibration_batches, server_overhead
+
+    calibrate = calibration_batches(batch_sizes)[0] if overhead is None else []
     total = (len(batch_sizes) * len(widths) + sum(len(c) * len(samplings) for c in cands.values())
-             + len(calibrate) * len(modes))
+             + len(calibrate) * len(samplings) * len(modes))
     t0 = time.perf_counter()
-    overheads: dict[str, cost.StepOverhead] = {}
+    overheads: dict[str, dict[str, cost.StepOverhead]] = {}  # mode -> sampling kind -> overhead
     with tqdm(total=total, desc="tune", unit="run") as bar:
         raw = cost.measure(cost.hf_forward(engine, args.context), batch_sizes, widths, args.reps, bar)
         table = raw.monotone()
@@ -130,12 +133,11 @@ def run(args: argparse.Namespace) -> int:
             acceptance.measure(engine, cands[m], prompts, args.max_new_tokens, samplings, seed=args.seed, progress=bar)
         for m in modes:
             if overhead is not None:
-                overheads[m] = overhead
+                overheads[m] = {kind: overhead for kind in samplings}
             else:
-                from selfspec.tuning.calibrate import server_overhead
-
                 bar.set_description(f"tune: {m} server steps")
-                overheads[m] = server_overhead(args.model, m, table, prompts[0], calibrate, args.threads, progress=bar)
+                overheads[m] = server_overhead(args.model, m, table, cands[m], prompts[0], batch_sizes,
+                                               args.temperature, args.threads, progress=bar)
     host = socket.gethostname().split(".")[0] or "host"
     report: dict[str, Any] = {"schema": "selfspec.tune/v1", "model": args.model, "host": host,
                               "threads": args.threads, "dtype": args.dtype, "temperature": args.temperature,
@@ -145,10 +147,10 @@ def run(args: argparse.Namespace) -> int:
     for m in modes:
         plan, lines = {}, []
         for kind in samplings:
-            choices = choose(table, cands[m], kind, batch_sizes[-1], overheads[m])
+            choices = choose(table, cands[m], kind, batch_sizes[-1], overheads[m][kind])
             plan[kind] = [b.to_dict() for b in buckets(choices)]
+            lines += _overhead_text(kind, overheads[m][kind])
             lines += _choice_text(m, kind, cands[m], choices, batch_sizes)
-        lines.insert(0, _overhead_text(overheads[m]))
         out = Path(args.out.format(host=host, mode=m))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(_yaml_text(m, plan, table, cands[m], lines, args))
@@ -156,9 +158,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out}: serve it with --speculative-algorithm {m.upper()} --selfspec-config {out}")
         ov = overheads[m]
         report["modes"][m] = {"config": str(out), "plan": plan, "candidates": [c.to_dict() for c in cands[m]],
-                              "step_overhead": {"base_ms": ov.base_ms, "per_request_ms": ov.per_request_ms,
-                                                "measured_step_ms": ov.measured},
-                              "predicted": {kind: {str(b): {c.label: _finite(throughput(table, c, kind, b, ov))
+                              "step_overhead": {kind: ov[kind].to_dict() for kind in samplings},
+                              "predicted": {kind: {str(b): {c.label: _finite(throughput(table, c, kind, b, ov[kind]))
                                                             for c in cands[m]} for b in batch_sizes}
                                             for kind in samplings}}
     if args.json_out:
@@ -177,14 +178,17 @@ def _overhead_flag(text: str | None):
         raise UsageError(f"--step-overhead-ms {text!r}: expected BASE or BASE,PER_REQUEST in ms") from None
     if len(parts) > 2 or any(v < 0 for v in parts):
         raise UsageError(f"--step-overhead-ms {text!r}: expected BASE or BASE,PER_REQUEST, both >= 0")
-    return StepOverhead(parts[0], parts[1] if len(parts) == 2 else 0.0)
+    return StepOverhead.linear(parts[0], parts[1] if len(parts) == 2 else 0.0)
 
 
-def _overhead_text(ov) -> str:
-    seen = ""
-    if ov.measured:
-        seen = " (server AR step " + ", ".join(f"{v:.1f} ms at batch {b}" for b, v in sorted(ov.measured.items())) + ")"
-    return f"step cost beyond the forward: {ov.base_ms:.2f} ms + {ov.per_request_ms:.3f} ms per request{seen}"
+def _overhead_text(kind: str, ov) -> list[str]:
+    def pts(d: dict, unit: str) -> str:
+        return ", ".join(f"{v:.1f} ms at {unit} {k}" for k, v in sorted(d.items())) or "none"
+
+    lines = [f"{kind} step cost beyond the forward: every step {pts(ov.ar_ms, 'batch')}",
+             f"  a verify step also {pts(ov.verify_ms, 'query tokens')}"]
+    lines += [f"  served {what} step: {pts(steps, 'batch')}" for what, steps in ov.measured.items()]
+    return lines
 
 
 def _finite(x: float) -> float | None:

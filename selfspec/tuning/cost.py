@@ -13,7 +13,7 @@ import bisect
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -50,16 +50,40 @@ class CostTable:
 
 @dataclass
 class StepOverhead:
-    """What a serving step costs beyond the model forward (scheduling, request bookkeeping,
-    sampling): base_ms + per_request_ms * batch, fitted from a server's measured AR steps
-    (`calibrate.py`) or given by hand."""
+    """What a served step costs beyond the grid's forward, measured on a server of the mode
+    (`calibrate.py`) or given by hand. Two parts, each piecewise-linear through measured points
+    and extended along the end segments:
 
-    base_ms: float = 0.0
-    per_request_ms: float = 0.0
-    measured: dict[int, float] | None = None  # batch -> the server's measured step ms
+    - `ar_ms` (batch -> ms), paid by every step: scheduling, request bookkeeping, sampling;
+    - `verify_ms` (query tokens batch·width -> ms), paid on top by a step wider than one token:
+      SGLang's extend path, the step mask, the verify rules over every query row. It grows with
+      the rows, which is why a calibration at width 1 alone predicted wide steps too cheap.
+    """
 
-    def ms(self, batch: int) -> float:
-        return self.base_ms + self.per_request_ms * batch
+    ar_ms: dict[int, float] = field(default_factory=dict)
+    verify_ms: dict[int, float] = field(default_factory=dict)
+    measured: dict[str, dict[int, float]] = field(default_factory=dict)  # "ar" / "verify@W" -> batch -> step ms
+
+    @staticmethod
+    def linear(base_ms: float, per_request_ms: float = 0.0) -> StepOverhead:
+        """base + per_request × batch on every step, nothing extra for verify steps."""
+        return StepOverhead({1: base_ms + per_request_ms, 2: base_ms + 2 * per_request_ms})
+
+    def ms(self, batch: int, width: int = 1) -> float:
+        out = _curve(self.ar_ms, batch)
+        if width > 1:
+            out += _curve(self.verify_ms, batch * width)
+        return out
+
+    def to_dict(self) -> dict:
+        return {"ar_ms": self.ar_ms, "verify_ms": self.verify_ms, "measured_step_ms": self.measured}
+
+
+def _curve(points: dict[int, float], x: float) -> float:
+    if not points:
+        return 0.0
+    xs = sorted(points)
+    return _interp(xs, [points[k] for k in xs], x)
 
 
 def _isotonic(ys: list[float]) -> list[float]:
