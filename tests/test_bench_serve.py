@@ -74,6 +74,56 @@ def test_report_ratios_and_the_ngram_note():
     greedy = _report(0.0)
     serve.finish_report(greedy)
     assert all(r["notes"] == [] for r in greedy["results"])
+    wrapped = dict(_report(0.0), concurrency=[1, 4], num_prompts=32, prompts_available=48)  # level 2 wraps
+    serve.finish_report(wrapped)
+    assert wrapped["results"][1]["notes"] == [serve.NGRAM_REPEAT_NOTE] and wrapped["results"][0]["notes"] == []
+    fits = dict(_report(0.0), concurrency=[1, 4], num_prompts=32, prompts_available=64)
+    serve.finish_report(fits)
+    assert fits["results"][1]["notes"] == []
+
+
+def test_tuner_predictions_sit_beside_the_rows_served_with_its_plan(tmp_path):
+    from selfspec.benchmarks import predictions
+
+    config = tmp_path / "tuned-isd.yaml"
+    config.write_text("mode: ISD\n")
+    stride3 = {"stride": 3, "context_tokens": 16}
+    tune = {"schema": "selfspec.tune/v1", "modes": {"isd": {
+        "config": str(config),
+        "plan": {"greedy": [{"max_batch": 2, "mode": "isd", **stride3}, {"max_batch": None, "mode": "ar"}]},
+        "candidates": [{"mode": "ar", "options": {}, "tokens_per_step": {"greedy": 1.0}},
+                       {"mode": "isd", "options": stride3, "tokens_per_step": {"greedy": 4.0}}],
+        "predicted": {"greedy": {"1": {"ar": 9.0, "stride=3,context_tokens=16": 25.0},
+                                 "4": {"ar": 30.0, "stride=3,context_tokens=16": 20.0}}}}}}
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps(tune))
+
+    def level(c, tok_s, tpf=1.0, tpot=100.0):
+        return {"concurrency": c, "output_tok_s": tok_s, "requests": 4, "tpot_ms_p50": tpot, "tpot_ms_p99": 2 * tpot,
+                "tokens": 404, "tpf": tpf}
+
+    report = {"temperature": 0.0, "results": [
+        {"mode": "ar", "status": "ok", "levels": [level(1, 10.0), level(4, 25.0), level(3, 20.0), level(16, 28.0)]},
+        {"mode": "isd", "status": "ok", "server_args": ["--selfspec-config", str(tmp_path / "." / config.name)],
+         "levels": [level(1, 20.0, tpf=404 / 204, tpot=80.0), level(4, 30.0)]},  # C=1: 2 tokens per decode step
+        {"mode": "isd", "status": "ok", "server_args": [], "levels": [level(1, 15.0)]}]}  # not the tuned plan
+    predictions.attach(report, predictions.load(path))
+    ar, tuned, fixed = (r["levels"] for r in report["results"])
+    # batch 3 is not on the tuner's grid; C=16 with 4 requests is a batch of 4
+    assert [lv["predicted_tok_s"] for lv in ar] == [9.0, 30.0, None, 30.0]
+    assert ar[0]["prediction_error"] == pytest.approx(-0.1) and ar[2]["prediction_error"] is None
+    assert ar[0]["step_error"] == pytest.approx(100.0 / (1e3 / 9.0) - 1)  # AR: one token per step
+    assert [lv["predicted_tok_s"] for lv in tuned] == [25.0, 30.0]  # the plan's bucket at each batch
+    assert tuned[1]["prediction_error"] == pytest.approx(0.0)
+    # 2 tokens per step served at TPOT 80 ms: a 160 ms step where the tuner priced 4 tokens at 25 tok/s
+    assert tuned[0]["prediction_error"] == pytest.approx(0.25)
+    assert tuned[0]["step_error"] == pytest.approx(160.0 / 160.0 - 1)
+    assert "predicted_tok_s" not in fixed[0]
+    assert "step err" in serve.format_table({"temperature": 0.0, "results": [dict(r, reason=None, notes=[])
+                                                                             for r in report["results"][:1]]})
+    path.write_text(json.dumps({"schema": "selfspec.bench.serve/v1"}))
+    with pytest.raises(SystemExit, match="not a `selfspec tune --json` report"):
+        predictions.load(path)
 
 
 @pytest.mark.server

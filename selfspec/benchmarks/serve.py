@@ -27,7 +27,8 @@ builtin NGRAM verifies by argmax on CPU even when a temperature is set (`ngram_v
 
 JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
 
-    {"schema": ..., "model": str, "prompts_file": str, "num_prompts": int, "max_tokens": int,
+    {"schema": ..., "model": str, "prompts_file": str, "num_prompts": int, "prompts_available": int,
+     "max_tokens": int,
      "temperature": float, "concurrency": [int], "device": "cpu" | "cuda", "genai_bench": bool,
      "results": [{"mode": str, "status": "ok" | "skipped" | "error", "reason": str | null,
                   "server_args": [str], "startup_s": float,
@@ -43,14 +44,19 @@ JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
                                            "wall_s": float | null,  # sum of their latencies
                                            "tokens_per_s": float | null,  # tokens / wall_s
                                            "ratio_vs_ar": float | null}  # over AR's, same concurrency
-                                          | null}],           # null: the server returned no token ids
-                  "notes": [str]}]}                           # e.g. NGRAM's greedy verify under sampling
+                                          | null,             # null: the server returned no token ids
+                              # with --predictions TUNE.json (AR and the rows served with its plans):
+                              "predicted_tok_s": float | null, "prediction_error": float | null,
+                              "step_error": float | null}],
+                  "notes": [str]}],                           # e.g. NGRAM's greedy verify under sampling
+     "predictions": str}                                      # the tune report, with --predictions
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -65,6 +71,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from selfspec.benchmarks import predictions
 from selfspec.benchmarks.modes import ModeRun, parse_modes
 
 from selfspec.benchmarks.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
@@ -73,6 +80,11 @@ SCHEMA = "selfspec.bench.serve/v1"
 DEFAULT_MODES = "ar,ngram,isd,risd,jacobi,sjd"
 NGRAM_GREEDY_NOTE = ("NGRAM verifies greedily on this build: its sampled rows are argmax outputs (every token "
                      "after the first is the target's argmax, whatever the temperature)")
+
+
+NGRAM_REPEAT_NOTE = ("NGRAM saw these prompts at an earlier level: the levels' windows wrap around the prompts "
+                     "file, and its n-gram corpus keeps every earlier output, so it drafts what it already "
+                     "wrote (use levels x --num-prompts <= the file's prompts)")
 
 
 def ngram_verifies_greedily(device: str) -> bool:
@@ -130,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "wait on each other slow a small shared machine down)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--log-dir", default=None, help="keep server and genai-bench logs here")
+    parser.add_argument("--predictions", default=None, metavar="TUNE.json",
+                        help="a `selfspec tune --json` report: print its predicted tok/s beside the AR row and the "
+                        "rows served with its plans (--mode-args 'LABEL=--selfspec-config <its config>')")
 
 
 # ---------------------------------------------------------------------------------- one level
@@ -353,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    tune = predictions.load(args.predictions) if args.predictions else None
     model_dir, adapter = resolve_with_adapter(args.model)  # an adapter-only model: its base, and RISD's adapter
     if adapter is not None and args.lora is None:
         args.lora = str(adapter)
@@ -369,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
 
     report: dict[str, Any] = {
         "schema": SCHEMA, "model": str(model_dir), "prompts_file": str(prompts_file), "num_prompts": len(prompts),
+        "prompts_available": len(all_prompts),
         "max_tokens": args.max_tokens, "temperature": args.temperature, "concurrency": levels,
         "device": "cuda" if gpu else "cpu", "genai_bench": use_genai, "log_dir": str(log_dir), "results": [],
     }
@@ -386,6 +403,9 @@ def run(args: argparse.Namespace) -> int:
             os.environ["OMP_NUM_THREADS"] = env_backup
 
     finish_report(report)
+    if tune is not None:
+        predictions.attach(report, tune)
+        report["predictions"] = str(args.predictions)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -404,10 +424,12 @@ def finish_report(report: dict) -> None:
     ar = next((r for r in report["results"] if r["mode"] == "ar" and r["status"] == "ok"), None)
     ar_by_c = {lv["concurrency"]: lv for lv in (ar["levels"] if ar else [])}
     greedy_ngram = report["temperature"] > 0 and ngram_verifies_greedily(report["device"])
+    repeats = len(report.get("concurrency", [])) * report.get("num_prompts", 0) > report.get("prompts_available", math.inf)
     for r in report["results"]:
         notes = r.setdefault("notes", [])
-        if greedy_ngram and r["status"] == "ok" and registry.get(r["mode"]).builtin_sglang_algorithm == "NGRAM":
-            notes.append(NGRAM_GREEDY_NOTE)
+        if r["status"] == "ok" and registry.get(r["mode"]).builtin_sglang_algorithm == "NGRAM":
+            notes += [NGRAM_GREEDY_NOTE] if greedy_ngram else []
+            notes += [NGRAM_REPEAT_NOTE] if repeats else []
         for lv in r.get("levels", []):
             base = ar_by_c.get(lv["concurrency"])
             lv["ratio_vs_ar"] = lv["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else None
@@ -482,6 +504,9 @@ def format_table(report: dict) -> str:
 
     head = ["mode", "C", "tok/s", "xAR", "TPOT p50", "TPOT p99", "TPF", "genai tok/s", "loops", "req tok/s",
             "NL req tok/s", "NL xAR", "NL TPF"]
+    with_pred = any("predicted_tok_s" in lv for r in report["results"] for lv in r.get("levels", []))
+    if with_pred:
+        head += ["pred tok/s", "pred err", "step err"]
     rows, tails = [head], [""]
     for r in report["results"]:
         if r["status"] != "ok":
@@ -497,13 +522,18 @@ def format_table(report: dict) -> str:
                 num((lv.get("genai_bench") or {}).get("output_tok_s"), ".1f"),
                 "-" if loops is None else f"{loops}/{lv['requests']}", num(lv.get("per_request_tok_s"), ".1f"),
                 num(nl.get("tokens_per_s"), ".1f"), num(nl.get("ratio_vs_ar"), ".2f"), num(nl.get("tpf"), ".2f"),
-            ])
+            ] + ([num(lv.get("predicted_tok_s"), ".1f"), num(lv.get("prediction_error"), "+.0%"),
+                  num(lv.get("step_error"), "+.0%")] if with_pred else []))
             tails.append("".join(f"  [{n.split(':')[0]}]" for n in r.get("notes") or []))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [" ".join(row[0].ljust(widths[0]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
              .rstrip() + tail for row, tail in zip(rows, tails)]
     lines.append("NL: requests whose output does not end in a repetition loop (per mode); req tok/s: tokens over "
                  "the sum of the requests' latencies; NL xAR: NL req tok/s over AR's at the same C")
+    if with_pred:
+        lines.append("pred: the tuner's predicted tok/s for the plan's bucket at batch min(C, requests) (a steady "
+                     "batch, no prefill); pred err: predicted / measured - 1; step err: measured step (TPOT p50 x "
+                     "tokens per step served) / predicted step - 1, the cost model alone")
     for r in report["results"]:
         for note in r.get("notes") or []:
             lines.append(f"note ({r['mode']}): {note}")
