@@ -17,7 +17,7 @@ a prefix of the widest bucket's, so every bucket reads its seeds where it would 
 The plan is a prediction; `OnlineCheck` verifies it while serving. The serving engine reports
 each step's wall-clock period (`PlannedMode.observe`; the offline engine does not, so its
 choices stay a function of the batch alone); per batch-size class the check keeps the
-measured rate (tokens per second per request, over the last ~20 steps of the class) of the
+measured rate (tokens per second per request, over the last ~100 steps of the class) of the
 bucket's mode and of plain AR steps, runs the faster one and now and then probes the other for a
 few steps, the more rarely the further the running one leads. A plan whose speculation does not
 pay on the machine it runs on (the cost model mispredicted, the load is not the tuner's) then
@@ -52,11 +52,13 @@ class OnlineCheckConfig:
     probe_every: int = 48  # steps on the faster arm between two probes of the other, at parity
     # (stretched by how far the faster arm leads, up to 4x)
     probe_steps: int = 6  # steps per probe (the probed mode's opening step included)
-    # weight of the past in an arm's rate, per step (of either arm): ~20 steps of memory. A
-    # speculative mode's rate swings step to step (a 17-token candidate run, then 1-token
-    # steps); with 0.8 (~5 steps) a short unlucky run read slower than AR and parked a greedy
-    # batch-1 server on AR steps for over half its steps (README "Online check").
-    decay: float = 0.95
+    # weight of the past in an arm's rate, per step (of either arm): ~100 steps of memory. A
+    # speculative mode's rate swings with the text (a 17-token candidate run, then a stretch of
+    # 1-token steps) and AR steps cannot see a repetitive stretch coming back, so the plan must
+    # lose over a long window before AR takes over: with 0.8 (~5 steps) a greedy batch-1 ISD
+    # server ran AR on over half its steps, with 0.95 an SJD one on 39% of them, 13% slower
+    # than with no check (README "Online check").
+    decay: float = 0.99
     margin: float = 0.03  # the other arm must be this much faster to take over
 
     def __post_init__(self) -> None:
