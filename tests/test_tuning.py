@@ -165,3 +165,29 @@ def test_fit_overhead_recovers_the_served_step_cost():
     assert middle_width(CANDIDATES, "greedy").width == 7
     assert middle_width([CANDIDATES[0], Candidate("jacobi", {}, 8, {"greedy": 2.0, "sampled": float("nan")})],
                         "sampled") is None
+
+
+@pytest.mark.server
+def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, monkeypatch):
+    """One server of a greedy-only mode under the calibration plan: AR steps timed at batch 2,
+    the candidate's verify steps at batch 1 (its sampled batches are never sent: the mode
+    refuses them), and the fitted overhead prices a wide step above an AR step."""
+    from selfspec.tuning import calibrate
+
+    monkeypatch.setattr(calibrate, "LONG", 64)  # fewer tokens: the test times, it does not tune
+    costs = table(lambda b, w: 1.0)
+    cands = [Candidate("ar", {}, 1, {"greedy": 1.0, "sampled": 1.0}),
+             Candidate("jacobi", {"block_size": 4, "context_tokens": 0}, 5, {"greedy": 1.5, "sampled": float("nan")})]
+    out = calibrate.server_overhead(str(tiny_base_path), "jacobi", costs, cands, list(range(100, 140)), [1, 2],
+                                    temperature=0.7, log_dir=str(tmp_path))
+    greedy, sampled = out["greedy"], out["sampled"]
+    assert set(greedy.measured) == {"ar", "verify@5"}
+    assert set(greedy.measured["ar"]) == {2} and set(greedy.measured["verify@5"]) == {1}
+    assert all(ms > 1.0 for steps in greedy.measured.values() for ms in steps.values())
+    assert greedy.ms(2) == pytest.approx(greedy.measured["ar"][2] - costs.time_ms(2, 1))
+    # the fitted model gives back the measured verify step (never below the AR step's price)
+    verify_model = costs.time_ms(1, 5) + greedy.ms(1, width=5)
+    assert verify_model == pytest.approx(max(greedy.measured["verify@5"][1], costs.time_ms(1, 5) + greedy.ms(1)))
+    assert sampled.ar_ms == greedy.ar_ms and not sampled.verify_ms  # greedy-only: sampled batches run AR
+    plan = (tmp_path / "calibration.yaml").read_text()
+    assert "online: false" in plan and "block_size: 4" in plan
