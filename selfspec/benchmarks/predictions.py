@@ -2,10 +2,11 @@
 
 `selfspec tune --json` records, per tuned mode, the plan it wrote and every candidate's predicted
 output tok/s at each batch size of its grid, for greedy and sampled batches. A served row whose
-`--selfspec-config` is that plan gets, at each concurrency C on the grid, the prediction for the
-bucket the plan runs at batch C; the AR row gets the AR candidate's. The prediction is a steady
-batch of C decoding; the measurement also holds prefill and a batch that thins as requests
-finish, so the two agree best at small C.
+`--selfspec-config` is that plan gets, at each concurrency level, the prediction for the bucket
+the plan runs at the level's batch (min(C, requests), where it is on the tuner's grid); the AR
+row gets the AR candidate's. The prediction is a steady batch decoding; the measurement also
+holds prefill and a batch that thins as requests finish, so the two agree best at small C, and
+`step_error` compares the step times alone.
 """
 
 from __future__ import annotations

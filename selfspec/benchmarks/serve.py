@@ -424,7 +424,8 @@ def finish_report(report: dict) -> None:
     ar = next((r for r in report["results"] if r["mode"] == "ar" and r["status"] == "ok"), None)
     ar_by_c = {lv["concurrency"]: lv for lv in (ar["levels"] if ar else [])}
     greedy_ngram = report["temperature"] > 0 and ngram_verifies_greedily(report["device"])
-    repeats = len(report.get("concurrency", [])) * report.get("num_prompts", 0) > report.get("prompts_available", math.inf)
+    sent = len(report.get("concurrency", [])) * report.get("num_prompts", 0)
+    repeats = sent > report.get("prompts_available", math.inf)  # the levels' windows wrap around the file
     for r in report["results"]:
         notes = r.setdefault("notes", [])
         if r["status"] == "ok" and registry.get(r["mode"]).builtin_sglang_algorithm == "NGRAM":

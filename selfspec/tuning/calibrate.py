@@ -5,9 +5,9 @@ runs SGLang's extend path for a wide step, applies the verify rules to every que
 streams. To learn that part, one server of the mode runs a calibration plan whose buckets
 alternate by batch size: a fixed verify candidate at batch 1, plain AR steps at 2, then AR at a
 middle size and the largest with the candidate at one more (one plan for greedy batches, one for
-sampled ones, the online check off). `batch` concurrent identical requests (EOS ignored; sampled ones share a
-seed, so every row commits the same tokens and the batch stays whole) of a short and a long
-length are timed; (long − short) wall time over (long − short) forwards is one step at that
+sampled ones, the online check off). `batch` concurrent identical requests (EOS ignored; sampled
+ones share a seed, so every row commits the same tokens and the batch stays whole) of a short
+and a long length are timed; (long − short) wall time over (long − short) forwards is one step at that
 batch, free of prefill and HTTP set-up. What the step costs beyond the grid's forward is split
 as `cost.StepOverhead` prices it: the AR step's excess by batch, and the verify step's excess
 over that by its query tokens, batch · width.
