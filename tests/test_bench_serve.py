@@ -119,6 +119,12 @@ def test_tuner_predictions_sit_beside_the_rows_served_with_its_plan(tmp_path):
     assert tuned[0]["prediction_error"] == pytest.approx(0.25)
     assert tuned[0]["step_error"] == pytest.approx(160.0 / 160.0 - 1)
     assert "predicted_tok_s" not in fixed[0]
+    # a bucket the tuner never measured (a hand-edited plan) gets no prediction, not an error
+    tune["modes"]["isd"]["plan"]["greedy"][0]["stride"] = 4
+    path.write_text(json.dumps(tune))
+    predictions.attach(report, predictions.load(path))
+    assert report["results"][1]["levels"][0]["predicted_tok_s"] is None
+    assert report["results"][1]["levels"][0]["step_error"] is None
     assert "step err" in serve.format_table({"temperature": 0.0, "results": [dict(r, reason=None, notes=[])
                                                                              for r in report["results"][:1]]})
     path.write_text(json.dumps({"schema": "selfspec.bench.serve/v1"}))

@@ -44,13 +44,15 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _candidate_at(tuned: dict[str, Any], mode: str | None, sampled: bool, batch: int) -> dict[str, Any]:
-    """The candidate the tuned plan runs at `batch` (mode None: the AR candidate)."""
+def _candidate_at(tuned: dict[str, Any], mode: str | None, sampled: bool, batch: int) -> dict[str, Any] | None:
+    """The candidate the tuned plan runs at `batch` (mode None: the AR candidate); None where the
+    plan names one the tuner did not measure (a hand-edited bucket: no prediction for it)."""
     if mode is None:
-        return next(c for c in tuned["candidates"] if c["mode"] == "ar")
+        return next((c for c in tuned["candidates"] if c["mode"] == "ar"), None)
     plan = WidthPlan.from_dict(tuned["plan"], mode)
     bucket = (plan.sampled if sampled else plan.greedy)[plan.bucket(batch, sampled)]
-    return next(c for c in tuned["candidates"] if c["mode"] == bucket.mode and c["options"] == dict(bucket.options))
+    return next((c for c in tuned["candidates"] if c["mode"] == bucket.mode and c["options"] == dict(bucket.options)),
+                None)
 
 
 def served_tokens_per_step(level: dict[str, Any]) -> float | None:
@@ -91,7 +93,7 @@ def attach(report: dict[str, Any], tune: dict[str, Any]) -> None:
             continue
         for lv in row["levels"]:
             batch = min(lv["concurrency"], lv.get("requests") or lv["concurrency"])
-            cand = _candidate_at(tuned, mode, sampled, batch)
+            cand = _candidate_at(tuned, mode, sampled, batch) or {"mode": None, "options": {}, "tokens_per_step": {}}
             pred = (tuned["predicted"].get(kind) or {}).get(str(batch), {}).get(
                 Candidate(cand["mode"], cand["options"]).label)
             measured = lv["output_tok_s"]
