@@ -14,8 +14,10 @@ import selfspec.decoding.isd as isd
 import selfspec.decoding.sjd as sjd
 from selfspec.decoding import rng
 from selfspec.decoding.isd import build_tree_layout
+from selfspec.decoding.corpus import SharedCorpus
+from selfspec.decoding.ngram import SuffixIndex
 from selfspec.decoding.sampling import SamplingParams
-from selfspec.decoding.step import branch_visibility
+from selfspec.decoding.step import DecodeSequence, branch_visibility
 from selfspec.decoding.tree_verify import DraftPath, PathResult, verify_paths
 from selfspec.decoding.verify import speculative_verify_reference
 from selfspec.engines.hf import HFEngine
@@ -175,3 +177,65 @@ def test_repeated_span_takes_fewer_forwards(mode):
     assert ctx.token_ids == plain.token_ids
     assert ctx.metrics.tokens_per_forward >= plain.metrics.tokens_per_forward + 0.5, (
         ctx.metrics.tokens_per_forward, plain.metrics.tokens_per_forward)
+
+
+# ------------------------------------------------------------------ the corpus across requests
+def test_corpus_continues_other_documents_and_forgets_the_oldest():
+    corpus = SharedCorpus(capacity=12)
+    a, b = corpus.open(), corpus.open()
+    corpus.append(a, [1, 2, 3, 4, 5, 6])
+    corpus.append(b, [9, 2, 3, 7])
+    assert corpus.continuation((2, 3), 3) == [7]  # the latest occurrence: b's
+    assert corpus.continuation((2, 3), 3, exclude=b) == []  # the sequence's own is searched elsewhere
+    assert corpus.continuation((1, 2, 3), 2) == [4, 5]  # a length first asked for: indexed on demand
+    corpus.append(b, [8, 8, 8])  # 13 tokens > 12: a is dropped, with its entries
+    assert corpus.tokens == 7 and corpus.length(a) == 0
+    assert corpus.continuation((1, 2, 3), 2) == [] and corpus.continuation((4, 5), 1) == []
+    assert corpus.continuation((2, 3), 2) == [7, 8]
+
+
+def test_own_history_first_then_the_corpus_for_greedy_rows():
+    corpus = SharedCorpus()
+    other = DecodeSequence([5, 6, 7, 8, 9])
+    SuffixIndex((2,), corpus, other).propose(other.history + [1], 3)  # its text joins the corpus
+    seq = DecodeSequence([1, 2, 3, 4, 6, 7])
+    index = SuffixIndex((2,), corpus, seq)
+    assert index.propose(seq.history, 3) == [8, 9]  # (6, 7) only occurred in the other sequence (the
+    # corpus holds what each sequence had indexed: its text before its pending token)
+    assert index.propose(seq.history, 3, shared=False) == []  # a sampled row: own history only
+    seq.history += [1, 2]
+    assert index.propose(seq.history, 2) == [3, 4]  # (1, 2) occurred in its own history: that wins
+
+
+@pytest.mark.parametrize("mode, config", [
+    ("isd", {"stride": 3, "context_tokens": 16}),
+    ("sjd", {"window": 2, "context_tokens": 16}),
+    ("jacobi", {"context_tokens": 16}),
+])
+def test_a_repeated_request_is_drafted_from_the_first(mode, config):
+    """A server answering the same prompt twice: the second answer's context candidates come from
+    the first (its own history holds no match), so it takes far fewer forwards, and is still AR's."""
+    engine = HFEngine.from_pretrained("tiny-idlm")
+    ids = engine.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser(description=")
+    (ar,) = engine.generate([ids], 64, stop_token_ids=[])
+    tpf = {}
+    for shared in (True, False):
+        mode_obj = engine.build_mode(mode, {**config, "context_corpus": shared})  # one mode = one server
+        first, second = (engine.generate([ids], 64, stop_token_ids=[], mode=mode_obj)[0] for _ in range(2))
+        assert first.token_ids == second.token_ids == ar.token_ids
+        tpf[shared] = (first.metrics.tokens_per_forward, second.metrics.tokens_per_forward)
+    assert tpf[False][1] == pytest.approx(tpf[False][0])  # without the corpus nothing carries over
+    assert tpf[True][1] >= tpf[True][0] + 1.0, tpf
+
+
+def test_sampled_requests_do_not_draw_on_other_requests():
+    """A seeded sampled request decodes the same on a mode that served others before it."""
+    engine = HFEngine.from_pretrained("tiny-idlm")
+    ids = engine.encode("class Parser(object):\n    def __init__(self, name):\n        self.")
+    sampling = SamplingParams(temperature=0.8)
+    config = {"stride": 3, "context_tokens": 16}
+    (fresh,) = engine.generate([ids], 48, sampling, seed=3, stop_token_ids=[], mode="isd", mode_config=config)
+    used = engine.build_mode("isd", config)
+    engine.generate([ids], 48, stop_token_ids=[], mode=used)  # greedy: its text joins the corpus
+    (again,) = engine.generate([ids], 48, sampling, seed=3, stop_token_ids=[], mode=used)
+    assert again.token_ids == fresh.token_ids

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding.logits_rules import grammar_valid, mask_disallowed
-from selfspec.decoding.ngram import SuffixIndex, match_sizes
+from selfspec.decoding.corpus import SharedCorpus
+from selfspec.decoding.ngram import SuffixIndex, context_index, match_sizes
 from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
@@ -57,6 +58,8 @@ class ISDConfig:
     context_tokens: int = 0
     context_match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
     context_tail: bool = True  # MASK proposals after the candidate too (used when it wins whole)
+    # context candidates also from the other sequences served (`corpus.py`), for greedy rows
+    context_corpus: bool = True
     # sampled decoding: proposals "sample"d from the MASK rows' distribution q and verified
     # against that q (accepted with probability sum min(p, q)), or "argmax" proposals (the I-DLM
     # paper's). Greedy rows propose by argmax either way; sampling measured higher acceptance
@@ -123,8 +126,9 @@ def consume(proposals: list[int], accept_len: int, next_token: int, mask_argmax:
 class ISDMode(Mode):
     name = "isd"
 
-    def __init__(self, config: ISDConfig, mask_token_id: int, gated: bool = False):
+    def __init__(self, config: ISDConfig, mask_token_id: int, gated: bool = False, corpus: SharedCorpus | None = None):
         self.config = config
+        self.corpus = corpus
         self.mask_token_id = mask_token_id
         self.gated = gated
         self.name = "risd" if gated else "isd"
@@ -136,7 +140,8 @@ class ISDMode(Mode):
 
     def start(self, seq: DecodeSequence) -> None:
         cfg = self.config
-        seq.state = ISDState(index=SuffixIndex(cfg.context_match_sizes) if cfg.context_tokens else None)
+        seq.state = ISDState(index=context_index(seq, cfg.context_tokens, cfg.context_match_sizes, self.corpus,
+                                                 cfg.context_corpus))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         cfg = self.config
@@ -144,7 +149,8 @@ class ISDMode(Mode):
         for s in seqs:
             st = s.state
             st.plan = None
-            candidate = st.index.propose(s.history, cfg.context_tokens) if st.index is not None else []
+            candidate = (st.index.propose(s.history, cfg.context_tokens, shared=s.sampling.greedy)
+                         if st.index is not None else [])
             candidate = grammar_valid(s, candidate)
             if candidate and candidate != st.proposals[: len(candidate)]:
                 width = self.max_width if cfg.fixed_width else None

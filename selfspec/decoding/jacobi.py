@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding import rng
-from selfspec.decoding.ngram import SuffixIndex, match_sizes
+from selfspec.decoding.corpus import SharedCorpus
+from selfspec.decoding.ngram import SuffixIndex, context_index, match_sizes
 from selfspec.decoding.ngram_pool import NgramPool
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
 
@@ -80,6 +81,8 @@ class JacobiConfig:
     # the sequence's suffix, one more candidate branch beside the pool's (0 = off)
     context_tokens: int = 0
     context_match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
+    # context candidates also from the other sequences served (`corpus.py`), for greedy rows
+    context_corpus: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -202,8 +205,9 @@ class JacobiMode(Mode):
     name = "jacobi"
     greedy_only = True
 
-    def __init__(self, config: JacobiConfig, vocab_size: int):
+    def __init__(self, config: JacobiConfig, vocab_size: int, corpus: SharedCorpus | None = None):
         self.config = config
+        self.corpus = corpus
         self.vocab_size = vocab_size
         c = config
         self.seeds_per_step = 1  # unused: greedy only
@@ -225,7 +229,8 @@ class JacobiMode(Mode):
         cfg = self.config
         seq.state = JacobiState(Block(self._fresh(seq.history, cfg.block_size - 1)), [],
                                 NgramPool(cfg.ngram_size, cfg.pool_size),
-                                SuffixIndex(cfg.context_match_sizes) if cfg.context_tokens else None)
+                                context_index(seq, cfg.context_tokens, cfg.context_match_sizes, self.corpus,
+                                              cfg.context_corpus))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         out = []

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.logits_rules import grammar_valid
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
@@ -53,29 +54,59 @@ def lagged_copy(history: list[int], lag: int, k: int) -> list[int]:
 
 
 class SuffixIndex:
-    """Latest end position of every m-gram of a growing token list, for each m in sizes."""
+    """Latest end position of every m-gram of a growing token list, for each m in sizes; with a
+    `SharedCorpus`, also the sequence's document there (`corpus.py`), searched after its own
+    history at each suffix length."""
 
-    def __init__(self, sizes: tuple[int, ...]):
+    def __init__(self, sizes: tuple[int, ...], corpus: SharedCorpus | None = None, seq: DecodeSequence | None = None):
         self.sizes = sizes
         self.last_end: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in sizes}
         self.indexed = 0  # m-grams ending before this position are indexed
+        self.corpus = corpus
+        self.doc: int | None = None
+        if corpus is not None:  # one document per sequence, kept when a width plan restarts it
+            if seq is None:
+                raise ValueError("a SuffixIndex with a shared corpus needs the sequence it indexes")
+            if seq.corpus_doc is None:
+                seq.corpus_doc = corpus.open()
+            self.doc = seq.corpus_doc
 
-    def propose(self, history: list[int], k: int) -> list[int]:
+    def propose(self, history: list[int], k: int, shared: bool = True) -> list[int]:
         """k tokens continuing the latest earlier occurrence of history's suffix (`lagged_copy`),
-        or [] when the suffix never occurred before."""
+        else (when `shared`) those after its latest occurrence in another document of the
+        corpus, longest suffix first; [] when it never occurred. The sequence's text joins the
+        corpus either way."""
         end = len(history) - 1  # the suffix ends at `end`; index m-grams ending before it
         for pos in range(self.indexed, end):
             for m in self.sizes:
                 if pos - m + 1 >= 0:
                     self.last_end[m][tuple(history[pos - m + 1 : pos + 1])] = pos
         self.indexed = max(self.indexed, end)
+        if self.corpus is not None:  # the corpus holds what the own index holds: history[:end]
+            have = self.corpus.length(self.doc)
+            if have < end:
+                self.corpus.append(self.doc, history[have:end])
+        corpus = self.corpus if shared else None
         for m in self.sizes:
             if end - m + 1 < 0:
                 continue
-            hit = self.last_end[m].get(tuple(history[end - m + 1 : end + 1]))
+            suffix = tuple(history[end - m + 1 : end + 1])
+            hit = self.last_end[m].get(suffix)
             if hit is not None:
                 return lagged_copy(history, end - hit, k)
+            if corpus is not None:
+                found = corpus.continuation(suffix, k, exclude=self.doc)
+                if found:
+                    return found
         return []
+
+
+def context_index(seq: DecodeSequence, tokens: int, sizes: tuple[int, ...], corpus: SharedCorpus | None,
+                  use_corpus: bool) -> SuffixIndex | None:
+    """A mode's context lookup for `seq` (None when its candidates are off: `tokens` == 0)."""
+    if not tokens:
+        return None
+    return SuffixIndex(sizes, corpus if use_corpus else None, seq)
 
 
 def propose_ngram(history: list[int], k: int, sizes: tuple[int, ...] = (3, 2)) -> list[int]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from selfspec.decoding.ar import ARMode
+from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.isd import ISDConfig, ISDMode
 from selfspec.decoding.jacobi import JacobiConfig, JacobiMode
 from selfspec.decoding.ngram import NgramConfig, NgramMode
@@ -30,6 +31,11 @@ class ModeResources:
 
     mask_token_id: int | None = None
     vocab_size: int | None = None
+    # the texts served so far, for context candidates across requests (`corpus.py`); None: each
+    # `build` makes its own (one per served model: a mode object lives as long as its server;
+    # offline, one per generate call, so benchmark rows never see each other's outputs), and a
+    # width plan's buckets share theirs
+    corpus: SharedCorpus | None = None
 
 
 @dataclass(frozen=True)
@@ -75,16 +81,16 @@ _SPECS = (
     ModeSpec("ngram", "prompt-lookup drafts from the sequence's own n-grams (SGLang's NGRAM is the served one)",
              NgramConfig, NgramMode, lambda cfg, res: NgramMode(cfg), sglang_algorithm=None, builtin_sglang_algorithm="NGRAM"),
     ModeSpec("isd", "introspective strided decoding: verify last step's [MASK] proposals, propose N new ones",
-             ISDConfig, ISDMode, lambda cfg, res: ISDMode(cfg, res.mask_token_id, gated=False), sglang_algorithm="ISD",
+             ISDConfig, ISDMode, lambda cfg, res: ISDMode(cfg, res.mask_token_id, gated=False, corpus=res.corpus), sglang_algorithm="ISD",
              needs_mask_token=True, checkpoint_kind="idlm", metadata_fields=_ISD_FIELDS),
     ModeSpec("risd", "ISD with a LoRA adapter gated on at [MASK] positions only: the base model's exact output",
-             ISDConfig, ISDMode, lambda cfg, res: ISDMode(cfg, res.mask_token_id, gated=True), sglang_algorithm="RISD",
+             ISDConfig, ISDMode, lambda cfg, res: ISDMode(cfg, res.mask_token_id, gated=True, corpus=res.corpus), sglang_algorithm="RISD",
              needs_mask_token=True, needs_adapter=True, checkpoint_kind="adapter", metadata_fields=_ISD_FIELDS),
     ModeSpec("jacobi", "greedy Jacobi decoding of n-token blocks with rejection-recycling candidates (lossless)",
-             JacobiConfig, JacobiMode, lambda cfg, res: JacobiMode(cfg, res.vocab_size), sglang_algorithm="JACOBI",
+             JacobiConfig, JacobiMode, lambda cfg, res: JacobiMode(cfg, res.vocab_size, res.corpus), sglang_algorithm="JACOBI",
              needs_vocab_size=True, metadata_fields=("block_size", "max_blocks", "spawn_ratio", "verify_size")),
     ModeSpec("sjd", "speculative Jacobi decoding: W drafts verified with the p/q rule (keeps the sampling law)",
-             SJDConfig, SJDMode, lambda cfg, res: SJDMode(cfg), sglang_algorithm="SJD"),
+             SJDConfig, SJDMode, lambda cfg, res: SJDMode(cfg, res.corpus), sglang_algorithm="SJD"),
 )
 
 MODES: dict[str, ModeSpec] = {s.name: s for s in _SPECS}
@@ -208,6 +214,8 @@ def parse_option_string(text: str | None) -> dict[str, Any]:
 def build(mode: str, config: Any, resources: ModeResources = ModeResources()) -> Mode:
     """The Mode object of a parsed config; ValueError when a needed resource is missing."""
     spec = get(mode)
+    if resources.corpus is None:
+        resources = dataclasses.replace(resources, corpus=SharedCorpus())
     if spec.needs_mask_token and resources.mask_token_id is None:
         raise ValueError(f"{spec.name.upper()} needs a [MASK] token id")
     if spec.needs_vocab_size and resources.vocab_size is None:
@@ -222,6 +230,8 @@ def build_planned(mode: str, base_options: dict[str, Any], plan: Any,
     from selfspec.decoding.width_plan import PlannedMode, WidthPlan
 
     spec = get(mode)
+    if resources.corpus is None:  # one corpus for all the buckets
+        resources = dataclasses.replace(resources, corpus=SharedCorpus())
     if not isinstance(plan, WidthPlan):
         plan = WidthPlan.from_dict(plan, spec.name)
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding.logits_rules import grammar_valid
-from selfspec.decoding.ngram import SuffixIndex, match_sizes
+from selfspec.decoding.corpus import SharedCorpus
+from selfspec.decoding.ngram import SuffixIndex, context_index, match_sizes
 from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
@@ -48,6 +49,8 @@ class SJDConfig:
     # the sequence's suffix, verified as a second branch beside the window (0 = off)
     context_tokens: int = 0
     context_match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
+    # context candidates also from the other sequences served (`corpus.py`), for greedy rows
+    context_corpus: bool = True
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -97,8 +100,9 @@ def next_window(
 class SJDMode(Mode):
     name = "sjd"
 
-    def __init__(self, config: SJDConfig):
+    def __init__(self, config: SJDConfig, corpus: SharedCorpus | None = None):
         self.config = config
+        self.corpus = corpus
         w, k = config.window, config.context_tokens
         self.depth = max(w, k)  # the deepest draft chain
         # seeds 0 … depth verify (one per depth, then the bonus); depth+1 … 2·depth sample the
@@ -109,14 +113,16 @@ class SJDMode(Mode):
     def start(self, seq: DecodeSequence) -> None:
         c = self.config
         seq.state = SJDState(history_drafts(seq.history, c.window, c.history_offset), None, [False] * c.window,
-                             SuffixIndex(c.context_match_sizes) if c.context_tokens else None)
+                             context_index(seq, c.context_tokens, c.context_match_sizes, self.corpus,
+                                           c.context_corpus))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         out = []
         for s in seqs:
             st = s.state
             st.plan = None
-            candidate = st.index.propose(s.history, self.config.context_tokens) if st.index is not None else []
+            candidate = (st.index.propose(s.history, self.config.context_tokens, shared=s.sampling.greedy)
+                         if st.index is not None else [])
             candidate = grammar_valid(s, candidate)
             if candidate and candidate != st.drafts[: len(candidate)]:
                 lay, st.plan = build_branches(s.pending, [(st.drafts, 0), (candidate, 0)], s.pending)

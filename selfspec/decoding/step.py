@@ -41,6 +41,7 @@ class DecodeSequence:
     stop_ids: frozenset[int] = frozenset()  # what min_new_tokens holds back
     constraint: Any = None  # a `logits_rules.TokenConstraint` (grammar), or None
     watermark: Any = None  # a `watermark.SequenceWatermark`, or None
+    corpus_doc: int | None = None  # its document in the mode's `corpus.SharedCorpus`, once it has one
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:

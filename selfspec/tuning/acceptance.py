@@ -58,6 +58,8 @@ def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_n
         mode_obj = engine.build_mode(cand.mode, options)
         cand.width = int(mode_obj.max_width)
         for kind, sampling in samplings.items():
+            # a fresh mode per run: its context corpus must not hold the other run's outputs
+            mode_obj = engine.build_mode(cand.mode, options)
             if mode_obj.greedy_only and not sampling.greedy:
                 cand.tokens_per_step[kind] = float("nan")  # cannot serve sampled batches
             else:

@@ -1,0 +1,83 @@
+"""The token text of every sequence a mode has served, for context candidates across requests.
+
+A sequence's own prompt + output often repeats itself (`ngram.SuffixIndex`), but what a server
+answers also repeats across requests: the same code idioms, the same boilerplate, a prompt that
+continues where another one stopped. SGLang's builtin NGRAM draws its drafts from all of it;
+this is the same source for selfspec's context candidates. One `SharedCorpus` per served model
+(the engine's, shared by every bucket of a width plan) holds documents, one per sequence, each
+its committed tokens, appended as the sequence grows and kept after it finishes, the oldest
+documents dropped beyond `capacity` tokens. `continuation(suffix, k, exclude)` gives the k
+tokens that followed the latest occurrence of `suffix` in any document but `exclude` (the
+sequence's own, which its SuffixIndex already searched, with the lagged-copy rule for loops).
+
+Used for greedy rows only: the candidate is verified, so any source is lossless, but a seeded
+sampled request must not draw differently because of what other requests said before it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class SharedCorpus:
+    def __init__(self, capacity: int = 1 << 18):
+        if capacity < 1:
+            raise ValueError(f"the shared corpus needs a capacity >= 1 token, got {capacity}")
+        self.capacity = capacity  # tokens kept over all documents
+        self.docs: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
+        self.tokens = 0
+        # per suffix length m: m-gram -> (doc, index of its last token), the latest occurrence
+        self.latest: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {}
+        self._next_doc = 0
+
+    def open(self) -> int:
+        """A new empty document; returns its id."""
+        doc = self._next_doc
+        self._next_doc += 1
+        self.docs[doc] = []
+        return doc
+
+    def length(self, doc: int) -> int:
+        """Tokens in `doc` (0 once dropped: a sequence that outlives its document starts a new one)."""
+        return len(self.docs.get(doc, ()))
+
+    def append(self, doc: int, tokens: list[int]) -> None:
+        """Extend `doc` (re-opened at the end if it was dropped) and index its new m-grams."""
+        text = self.docs.get(doc)
+        if text is None:
+            text = self.docs[doc] = []
+        start = len(text)
+        text.extend(int(t) for t in tokens)
+        self.tokens += len(tokens)
+        for m, table in self.latest.items():
+            self._index(table, m, doc, text, start)
+        while self.tokens > self.capacity and len(self.docs) > 1:
+            self._drop_oldest()
+
+    def continuation(self, suffix: tuple[int, ...], k: int, exclude: int | None = None) -> list[int]:
+        """Up to k tokens after the latest occurrence of `suffix` outside `exclude`; [] if none."""
+        m = len(suffix)
+        table = self.latest.get(m)
+        if table is None:  # first lookup of this length: index what is stored
+            table = self.latest[m] = {}
+            for doc, text in self.docs.items():
+                self._index(table, m, doc, text, 0)
+        hit = table.get(suffix)
+        if hit is None or hit[0] == exclude:
+            return []
+        doc, end = hit
+        return self.docs[doc][end + 1 : end + 1 + k]
+
+    @staticmethod
+    def _index(table: dict, m: int, doc: int, text: list[int], start: int) -> None:
+        for end in range(max(start, m - 1), len(text)):
+            table[tuple(text[end - m + 1 : end + 1])] = (doc, end)
+
+    def _drop_oldest(self) -> None:
+        doc, text = self.docs.popitem(last=False)
+        self.tokens -= len(text)
+        for m, table in self.latest.items():
+            for end in range(m - 1, len(text)):
+                key = tuple(text[end - m + 1 : end + 1])
+                if table.get(key, (None,))[0] == doc:
+                    del table[key]
