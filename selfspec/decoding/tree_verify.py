@@ -123,7 +123,9 @@ def verify_paths(
     alive = list(range(len(paths)))
     depth = 0
     greedy = temperature <= 0
-    argmax = logits.argmax(-1).tolist() if greedy else None  # one host read for the whole walk
+    # greedy: the argmax of the rows the walk visits only (a wide tree's other rows are most of
+    # the step's [W, V] logits: an argmax over all of them was most of a served step's finish)
+    argmax: dict[int, int] = {}
     while True:
         children: dict[tuple[int, int], torch.Tensor | None] = {}  # (token, dense path or -1) -> q row
         rows = set()
@@ -139,6 +141,8 @@ def verify_paths(
             raise ValueError(f"paths that agree up to depth {depth} are judged by different rows {sorted(rows)}")
         row_index = rows.pop()
         if greedy:
+            if row_index not in argmax:
+                argmax[row_index] = int(logits[row_index].argmax())
             token = argmax[row_index]
             if any(t == token for t, _ in children):
                 alive, depth = _holding(paths, alive, depth, token), depth + 1
