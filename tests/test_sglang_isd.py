@@ -3,7 +3,9 @@
 One ISD server (module scope) on tiny-base: its tokenizer has a [MASK] token, so ISD runs on it
 losslessly even though the untrained mask embedding proposes poorly. It verifies context n-gram
 candidates beside the proposals (`context_tokens=4`), so steps with and without a candidate
-branch both run through the worker. The server runs on SGLang's default path (radix cache on,
+branch both run through the worker; from the request's own text only (`context_corpus=false`), so
+that each request takes the forwards the reference engine takes (the corpus across requests is
+tested on the SJD server). The server runs on SGLang's default path (radix cache on,
 prefill in chunks of 16 tokens), so repeated prompts reuse cached prefixes. Besides the lossless check,
 this module carries the request-level edge cases shared by every mode (they exercise the same
 worker): seeded sampling, max_tokens, stop strings and stop tokens, streaming, abort, KV usage.
@@ -29,9 +31,9 @@ from sglang_fixtures import (
 
 pytestmark = pytest.mark.server
 
-ISD_OPTIONS = {"stride": 3, "context_tokens": 4}
+ISD_OPTIONS = {"stride": 3, "context_tokens": 4, "context_corpus": False}
 server = mode_server_fixture("isd", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3", "--enable-metrics",
-                                     "--selfspec-options", "context_tokens=4"], default_path=True)
+                                     "--selfspec-options", "context_tokens=4,context_corpus=false"], default_path=True)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def test_served_steps_are_the_reference_engines(server, heldout_ids, tiny_base_p
     ref = engine.generate(ids, MAX_NEW, mode="isd", mode_config=ISD_OPTIONS)
     served = [native_generate(server.base_url, p)["meta_info"] for p in ids]
     assert [m["spec_verify_ct"] + 1 for m in served] == [o.metrics.forwards for o in ref]
-    plain = engine.generate(ids, MAX_NEW, mode="isd", mode_config={"stride": 3})
+    plain = engine.generate(ids, MAX_NEW, mode="isd", mode_config={"stride": 3, "context_corpus": False})
     assert sum(o.metrics.forwards for o in ref) < sum(o.metrics.forwards for o in plain)
 
 

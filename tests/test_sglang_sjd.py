@@ -1,5 +1,6 @@
-"""SJD served by stock SGLang, with context candidates: greedy SJD equals AR; sampled SJD
-follows the AR server's sampling distribution and is seed-reproducible."""
+"""SJD served by stock SGLang, with context candidates (from every request served: the corpus):
+greedy SJD equals AR; sampled SJD follows the AR server's sampling distribution and is
+seed-reproducible."""
 
 from __future__ import annotations
 
@@ -75,3 +76,14 @@ def test_seeded_sampling_equals_the_reference_engine(server, heldout_ids, tiny_b
         got = native_generate(server.base_url, heldout_ids[i], 24, temperature=0.8, top_k=30, top_p=0.9,
                               sampling_seed=99 + i)
         assert got["output_ids"] == ref[0].token_ids, i
+
+
+def test_a_repeated_request_is_drafted_from_the_first(server, heldout_ids):
+    """The server's context candidates draw on every request it served (`decoding/corpus.py`): a
+    prompt no earlier request held, sent twice, is decoded in far fewer forwards the second time
+    (its own history has no match; the first answer has them all), with the same tokens."""
+    ids = list(reversed(heldout_ids[3]))[:48]
+    first, second = (native_generate(server.base_url, ids, 64, ignore_eos=True) for _ in range(2))
+    assert second["output_ids"] == first["output_ids"]
+    steps = [r["meta_info"]["spec_verify_ct"] for r in (first, second)]
+    assert steps[1] <= 0.75 * steps[0], steps
