@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +20,22 @@ from selfspec.errors import UserError
 from selfspec.models import resolve_with_adapter
 
 SMALL_CPU_CORES = 4
+
+
+@contextmanager
+def server_threads(threads: int | None) -> Iterator[None]:
+    """OMP_NUM_THREADS for the servers started inside (their torch threads), restored after;
+    None or 0 leaves it as it is."""
+    old = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
 
 
 class ServeError(UserError):

@@ -52,8 +52,16 @@ def test_a_near_tie_keeps_the_previous_choice():
     # stride 2 beats AR by 1% at batch 2 only: within the stickiness, batch 2 stays with batch 1's AR
     cands = [CANDIDATES[0], Candidate("isd", {"stride": 2}, 3, {"greedy": 1.0, "sampled": 1.0})]
     costs = CostTable([1, 2, 3], [1, 3], [[10.0, 11.0], [10.0, 9.9], [10.0, 11.0]])
-    assert [c.best.mode for c in choose(costs, cands, "greedy", 3, stickiness=0.0)] == ["ar", "isd", "ar"]
-    assert [c.best.mode for c in choose(costs, cands, "greedy", 3)] == ["ar", "ar", "ar"]
+    assert [c.best.mode for c in choose(costs, cands, "greedy", 3, stickiness=0.0, margin=0.0)] == ["ar", "isd", "ar"]
+    assert [c.best.mode for c in choose(costs, cands, "greedy", 3, margin=0.0)] == ["ar", "ar", "ar"]
+
+
+def test_speculation_must_beat_ar_by_the_margin():
+    # stride 2 predicted 5% faster than AR at batch 1 and 20% at batch 2: only batch 2 speculates
+    cands = [CANDIDATES[0], Candidate("isd", {"stride": 2}, 3, {"greedy": 1.0, "sampled": 1.0})]
+    costs = CostTable([1, 2], [1, 3], [[10.5, 10.0], [12.0, 10.0]])
+    assert [c.best.mode for c in choose(costs, cands, "greedy", 2, stickiness=0.0)] == ["ar", "isd"]
+    assert [c.best.mode for c in choose(costs, cands, "greedy", 2, stickiness=0.0, margin=0.0)] == ["isd", "isd"]
 
 
 def test_greedy_only_candidates_never_serve_sampled_batches():

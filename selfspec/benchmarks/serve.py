@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import shutil
 import statistics
@@ -361,7 +360,7 @@ def _mode_extra(run: ModeRun, args, model_dir: Path) -> tuple[list[str] | None, 
 
 def run(args: argparse.Namespace) -> int:
     from selfspec.models import resolve_with_adapter
-    from selfspec.serving import ServerProcess, ServerSpec, cuda_available
+    from selfspec.serving import ServerProcess, ServerSpec, cuda_available, server_threads
 
     try:
         modes = parse_modes(args.modes)
@@ -389,18 +388,10 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens, "temperature": args.temperature, "concurrency": levels,
         "device": "cuda" if gpu else "cpu", "genai_bench": use_genai, "log_dir": str(log_dir), "results": [],
     }
-    env_backup = os.environ.get("OMP_NUM_THREADS")
-    if not gpu and args.cpu_threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.cpu_threads)
-    try:
+    with server_threads(None if gpu else args.cpu_threads):
         for mode in modes:
             report["results"].append(_bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai,
                                                  input_tokens, ServerProcess, ServerSpec))
-    finally:
-        if env_backup is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_backup
 
     finish_report(report)
     if tune is not None:

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 from selfspec.tuning.acceptance import Candidate
@@ -118,7 +116,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
     """Serve `model` under `mode` with the calibration plan; the overhead per sampling kind."""
     import yaml
 
-    from selfspec.serving import ServerProcess, ServerSpec
+    from selfspec.serving import ServerProcess, ServerSpec, server_threads
 
     ar_batches, verify_batches = calibration_batches(batch_sizes)
     chosen = {"greedy": middle_width(cands, "greedy"), "sampled": middle_width(cands, "sampled")}
@@ -130,7 +128,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
     args = ["--speculative-algorithm", mode.upper(), "--selfspec-config", str(plan),
             "--max-running-requests", str(max(ar_batches + verify_batches))]
     out: dict[str, StepOverhead] = {}
-    with _omp_threads(threads), ServerProcess(ServerSpec(model, port=None, extra_args=args),
+    with server_threads(threads), ServerProcess(ServerSpec(model, port=None, extra_args=args),
                                               log_path=work / "server.log", startup_timeout=900) as server:
         _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
         for kind, temp in (("greedy", 0.0), ("sampled", temperature)):
@@ -148,15 +146,3 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
     return out
 
 
-@contextmanager
-def _omp_threads(threads: int):
-    """The server's torch threads: what the cost grid was timed with."""
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old

@@ -6,8 +6,12 @@ b · tokens_per_step_c tokens, so its throughput is b · tokens_per_step_c / (T 
 Every batch size from 1 to `max_batch` gets its best candidate; runs of equal choices become
 one bucket, the last one open. A batch size keeps the previous size's choice while that is within
 `stickiness` of the best (the measured costs are noisy; a plan should not flip between two
-near-equal widths from one batch size to the next). The choice for greedy batches uses greedy acceptance; for
-batches with sampled rows, the sampled acceptance (a greedy-only mode never serves them).
+near-equal widths from one batch size to the next). And a speculative candidate is chosen over
+plain AR steps only if it is predicted `margin` faster: the whole prediction (costs, acceptance
+on the tuner's prompts) is off by up to ~15% served, and a plan that speculates for a predicted
++5% measured 0.89x AR (README "Context candidates across requests"). The choice for greedy
+batches uses greedy acceptance; for batches with sampled rows, the sampled acceptance (a
+greedy-only mode never serves them).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def throughput(costs: CostTable, cand: Candidate, kind: str, batch: int,
 
 
 def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: int,
-           overhead: StepOverhead | None = None, stickiness: float = 0.03) -> list[Choice]:
+           overhead: StepOverhead | None = None, stickiness: float = 0.03, margin: float = 0.10) -> list[Choice]:
     """The best candidate at every batch size 1 … max_batch (ties: the narrower)."""
     out: list[Choice] = []
     for b in range(1, max_batch + 1):
@@ -46,7 +50,11 @@ def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: 
         usable = [c for c in candidates if math.isfinite(scores[c.label])]
         if not usable:
             raise ValueError(f"no candidate can serve {kind} batches")
-        best = max(usable, key=lambda c: (scores[c.label], -c.width))
+
+        def rank(c: Candidate) -> tuple[float, int]:  # AR steps get the benefit of the doubt
+            return scores[c.label] * (1.0 + margin if c.mode == "ar" else 1.0), -c.width
+
+        best = max(usable, key=rank)
         if out and scores[out[-1].best.label] >= (1.0 - stickiness) * scores[best.label]:
             best = out[-1].best
         out.append(Choice(b, best, scores))
