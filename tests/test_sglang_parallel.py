@@ -8,7 +8,10 @@ Per server (AR, ISD, RISD, JACOBI, SJD at `--tp-size 2`; the four selfspec modes
   same scheduler decisions: a divergence would hang their collectives, not show up here);
 - the worker runs the decoding core's plan on every rank: per request, as many forwards as the
   reference engine takes (a rank that decided differently would desynchronise the collectives or
-  change the count), and RISD's sharded adapter proposes exactly what the whole adapter does;
+  change the count), and RISD's sharded adapter proposes exactly what the whole adapter does.
+  Context candidates come from the request's own text here (`context_corpus=false`): a server's
+  corpus of earlier requests is not the reference engine's (it is tested on one process, in
+  `test_sglang_sjd.py`; every rank feeds its corpus the same steps in the same order);
 - seeded sampled requests equal the reference engine's run of the same seed: every rank draws the
   same numbers (the seed is derived from the request, never from a rank's own RNG);
 - the server-wide metrics summed over the data-parallel ranks are the per-request numbers summed
@@ -35,15 +38,16 @@ pytestmark = pytest.mark.server
 MODES = {
     "ar": ("tiny-base", [], None),
     "isd": ("tiny-base", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3",
-                          "--selfspec-options", "context_tokens=4"], ("isd", {"stride": 3, "context_tokens": 4})),
+                          "--selfspec-options", "context_tokens=4,context_corpus=false"],
+            ("isd", {"stride": 3, "context_tokens": 4, "context_corpus": False})),
     "risd": ("tiny-idlm-lora", [], ("risd", {})),
     "jacobi": ("tiny-base", ["--speculative-algorithm", "JACOBI", "--selfspec-options",
-                             "block_size=8,max_blocks=2,verify_size=3,ngram_size=4,context_tokens=7"],
+                             "block_size=8,max_blocks=2,verify_size=3,ngram_size=4,context_tokens=7,context_corpus=false"],
                ("jacobi", {"block_size": 8, "max_blocks": 2, "verify_size": 3, "ngram_size": 4,
-                           "context_tokens": 7})),
+                           "context_tokens": 7, "context_corpus": False})),
     "sjd": ("tiny-base", ["--speculative-algorithm", "SJD", "--selfspec-options",
-                          "window=4,history_offset=8,context_tokens=4"],
-            ("sjd", {"window": 4, "history_offset": 8, "context_tokens": 4})),
+                          "window=4,history_offset=8,context_tokens=4,context_corpus=false"],
+            ("sjd", {"window": 4, "history_offset": 8, "context_tokens": 4, "context_corpus": False})),
 }
 PARALLEL = {"tp": ["--tp-size", "2"], "dp": ["--dp-size", "2"]}
 #: AR at --dp-size 2 is SGLang's own scheduling alone (the CPU fixes are exercised by every row)
