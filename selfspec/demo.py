@@ -5,9 +5,11 @@
 Serves the embedded I-DLM model twice with stock SGLang, one server at a time: first plain AR,
 then ISD through the selfspec plugin with a tuned width plan (`selfspec tune`; the config
 written for this host if there is one, else the committed one measured on a 2-core CPU). Both
-answer the same prompts, greedy, first one at a time and then as one concurrent burst; the demo
-prints ISD's answers, its tokens per forward, both servers' tok/s and their ratio, and whether
-ISD's output equals AR's token for token (it must: ISD is lossless).
+answer the same prompts, greedy, first one at a time and then as one concurrent burst of other
+prompts (held-out ones: ISD's context candidates draw on every answer its server has given,
+`decoding/corpus.py`, so a burst of prompts it had just answered would replay those answers);
+the demo prints ISD's answers, its tokens per forward, both servers' tok/s and their ratio, and
+whether ISD's output equals AR's token for token (it must: ISD is lossless).
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ COMPLETION_PROMPTS = [
     "def read_config(path):\n    with open(path) as f:\n        data = json.load(f)\n    if",
 ]
 BURST = 8  # concurrent requests in the burst (the plan picks the width for this batch size)
+WARMUP_PROMPT = "def add(a, b):\n    return"  # asked first, answered nowhere else
+HELDOUT = REPO / "bench" / "prompts" / "heldout.jsonl"
+
+
+def burst_prompts() -> list[str]:
+    """BURST held-out prompts, asked in the burst only."""
+    lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
+    return [json.loads(line)["prompt"] for line in lines[:BURST]]
 
 
 @dataclass
@@ -45,8 +55,12 @@ class Run:
     token_ids: list[list[int]]
     seconds: float
     burst_seconds: float
-    burst_tokens: int
+    burst_ids: list[list[int]]
     forwards: int
+
+    @property
+    def burst_tokens(self) -> int:
+        return sum(len(t) for t in self.burst_ids)
 
     @property
     def tokens(self) -> int:
@@ -76,17 +90,17 @@ def _ask(server: ServerProcess, prompts: list[str], max_tokens: int) -> Run:
         meta = out["meta_info"]
         return out["output_ids"], int(meta.get("selfspec_forwards") or meta.get("completion_tokens", 0))
 
-    one(prompts[0])  # warm-up
+    one(WARMUP_PROMPT)
     t0 = time.perf_counter()
     got = [ids(p) for p in prompts]
     seconds = time.perf_counter() - t0
-    texts = [one(p).choices[0].text for p in prompts]
-    burst = prompts * (BURST // len(prompts))
+    burst = burst_prompts()
     with ThreadPoolExecutor(len(burst)) as ex:
         t0 = time.perf_counter()
         burst_out = list(ex.map(ids, burst))
         burst_seconds = time.perf_counter() - t0
-    return Run(texts, [g[0] for g in got], seconds, burst_seconds, sum(len(b[0]) for b in burst_out),
+    texts = [one(p).choices[0].text for p in prompts]  # through the OpenAI client, after the timing
+    return Run(texts, [g[0] for g in got], seconds, burst_seconds, [b[0] for b in burst_out],
                sum(g[1] for g in got))
 
 
@@ -96,7 +110,7 @@ def _serve(model: str, args: list[str], name: str, prompts: list[str], max_token
     started = time.perf_counter()
     with ServerProcess(ServerSpec(model, port=None, extra_args=args), log_path=log, startup_timeout=900) as server:
         print(f"  ready on {server.base_url} in {time.perf_counter() - started:.0f} s; {len(prompts)} prompts one at a time, "
-              f"then {BURST} at once", flush=True)
+              f"then {BURST} held-out prompts at once", flush=True)
         return _ask(server, prompts, max_tokens)
 
 
@@ -119,6 +133,7 @@ def run_demo(model: str, config: Path, max_tokens: int, extra: list[str]) -> boo
         else:
             print(f"== completion:\n{prompt}{text.rstrip()}\n")
     same = sum(a == b for a, b in zip(ar.token_ids, isd.token_ids))
+    same_burst = sum(a == b for a, b in zip(ar.burst_ids, isd.burst_ids))
     one_ratio = (isd.tokens / isd.seconds) / (ar.tokens / ar.seconds)
     burst_ratio = (isd.burst_tokens / isd.burst_seconds) / (ar.burst_tokens / ar.burst_seconds)
     print(f"{'':22s}{'AR':>10s}{'ISD':>10s}")
@@ -127,8 +142,9 @@ def run_demo(model: str, config: Path, max_tokens: int, extra: list[str]) -> boo
     print(f"{f'{BURST} at once, tok/s':22s}{ar.burst_tokens / ar.burst_seconds:10.1f}"
           f"{isd.burst_tokens / isd.burst_seconds:10.1f}   ISD = {burst_ratio:.2f}x AR")
     print(f"{'tokens per forward':22s}{1.0:10.2f}{isd.tokens / max(isd.forwards, 1):10.2f}")
-    print(f"greedy output identical to AR's, token for token: {same}/{len(prompts)} prompts")
-    return same == len(prompts)
+    print(f"greedy output identical to AR's, token for token: {same}/{len(prompts)} prompts, "
+          f"{same_burst}/{len(isd.burst_ids)} in the burst")
+    return same == len(prompts) and same_burst == len(isd.burst_ids)
 
 
 def main(argv: list[str] | None = None) -> int:
