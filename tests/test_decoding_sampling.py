@@ -37,6 +37,20 @@ def _rule_output_distribution(p, q, tau):
     return accept + (1 - accept.sum()) * residual
 
 
+def test_a_draw_rounded_past_the_total_takes_the_last_token_with_mass(monkeypatch):
+    """u * total can round up to the total, past every token's interval: the draw must go to the
+    last token that has probability, never to a zero-probability one, and draws inside the
+    intervals are unaffected."""
+    from selfspec.decoding import rng
+
+    probs = torch.tensor([[0.2, 0.8, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    seeds = torch.tensor([1, 2, 3])
+    monkeypatch.setattr(rng, "uniform_at", lambda seed, offset: torch.ones(seed.shape))
+    assert sample_from_probs(probs, seeds).tolist() == [1, 2, 3]
+    monkeypatch.setattr(rng, "uniform_at", lambda seed, offset: torch.full(seed.shape, 0.25))
+    assert sample_from_probs(probs, seeds).tolist() == [1, 0, 1]
+
+
 @pytest.mark.parametrize("tau", [0.0, 0.5])
 @pytest.mark.parametrize("proposal", ["distribution", "one-hot"])
 def test_verify_rule_matches_its_analytical_distribution(tau, proposal):

@@ -346,7 +346,12 @@ def test_small_draws_hash_the_same_bits_as_the_tensor_path(seed_shape, offset_sh
         assert got.dtype == want.dtype and torch.equal(got, want)
     base, counter = torch.tensor([5, (1 << 31) - 1, 77]), torch.tensor([0, 12, (1 << 40) + 3])
     for width in (1, 4, 10):  # 3 x 10 is still a small draw; wider ones take the tensor path
-        assert torch.equal(step_seeds(base, counter, width), _tensor_path(step_seeds, base, counter, width))
+        want = _tensor_path(step_seeds, base, counter, width)
+        assert torch.equal(step_seeds(base, counter, width), want)
+        assert torch.equal(step_seeds(base.tolist(), counter.tolist(), width), want)  # the worker's host lists
+    for fn in (rng.uniform_at,):  # one offset for every seed
+        assert torch.equal(fn(seed, 9), _tensor_path(rng.uniform, seed, torch.full_like(seed, 9)))
+        assert torch.equal(_tensor_path(fn, seed, 9), rng.uniform(seed, torch.full_like(seed, 9)))
 
 
 def test_race_argmax_draws_the_gumbel_max_winner():

@@ -99,6 +99,14 @@ def uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     return (((_hash_i32(seed, offset) >> 9) & 0x7FFFFF).float() + 0.5) * (1.0 / (1 << 23))
 
 
+def uniform_at(seed: torch.Tensor, offset: int) -> torch.Tensor:
+    """`uniform(seed, offset)` at one offset for every seed."""
+    if seed.device.type == "cpu" and seed.numel() <= SMALL_DRAW:
+        values = [((hash_int(s, offset) >> 9) + 0.5) * (1.0 / (1 << 23)) for s in seed.flatten().tolist()]
+        return torch.tensor(values, dtype=torch.float32).view(seed.shape)
+    return uniform(seed, torch.full_like(seed, offset))
+
+
 def gumbel(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(uniform(seed, offset)))
 

@@ -154,14 +154,15 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     from selfspec.decoding import rng
 
     vocab = probs.shape[-1]
-    cdf = probs.float().cumsum(-1)
-    u = rng.uniform(seeds, torch.zeros_like(seeds))
-    target = (u * cdf[..., -1]).unsqueeze(-1)
-    token = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1).clamp_(max=vocab - 1)
-    missed = probs.gather(-1, token.unsqueeze(-1)).squeeze(-1) <= 0  # u * total rounded up to the total
-    if bool(missed.any()):
+    cdf = (probs if probs.dtype == torch.float32 else probs.float()).cumsum(-1)
+    target = rng.uniform_at(seeds, 0) * cdf[..., -1]
+    token = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+    # only u * total rounded up to the total falls past every interval (a token inside one has
+    # mass: the cdf rises there); the last token with mass takes it
+    over = token >= vocab
+    if bool(over.any()):
         last = vocab - 1 - (probs > 0).flip(-1).int().argmax(-1)
-        token = torch.where(missed, last, token)
+        token = torch.where(over, last, token)
     return token
 
 

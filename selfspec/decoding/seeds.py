@@ -27,11 +27,19 @@ def base_seeds(seed: int | list[int] | None, count: int, generator: torch.Genera
     return seeds
 
 
-def step_seeds(base: torch.Tensor, counter: torch.Tensor, width: int) -> torch.Tensor:
-    """[B] base seeds, [B] counters -> [B, width] seeds in [0, 2^31)."""
-    if base.device.type == "cpu" and base.numel() * width <= rng.SMALL_DRAW:  # a served step at small batch
-        rows = [[rng.hash_int(b, c + i) & 0x7FFFFFFF for i in range(width)]
-                for b, c in zip(base.tolist(), counter.tolist())]
-        return torch.tensor(rows, dtype=torch.long).view(base.numel(), width)
+def step_seeds(base: torch.Tensor | list[int], counter: torch.Tensor | list[int], width: int) -> torch.Tensor:
+    """[B] base seeds, [B] counters (tensors or host lists) -> [B, width] seeds in [0, 2^31)."""
+    if isinstance(base, list) or isinstance(counter, list):
+        bases, counters = _host(base), _host(counter)
+        if len(bases) * width <= rng.SMALL_DRAW:  # a served step at small batch: hashed in Python
+            rows = [[rng.hash_int(b, c + i) & 0x7FFFFFFF for i in range(width)] for b, c in zip(bases, counters)]
+            return torch.tensor(rows, dtype=torch.long).view(len(bases), width)
+        base, counter = torch.tensor(bases, dtype=torch.long), torch.tensor(counters, dtype=torch.long)
+    elif base.device.type == "cpu" and base.numel() * width <= rng.SMALL_DRAW:
+        return step_seeds(base.tolist(), counter.tolist(), width)
     offsets = counter.unsqueeze(1) + torch.arange(width, device=base.device)
     return rng.hash_u32(base.unsqueeze(1), offsets) & 0x7FFFFFFF
+
+
+def _host(values: torch.Tensor | list[int]) -> list[int]:
+    return values.tolist() if isinstance(values, torch.Tensor) else [int(v) for v in values]

@@ -21,6 +21,7 @@ The mode updates `seq.state` inside `finish`; the engine then extends `seq.histo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,18 +177,24 @@ class StepContext:
 
     @staticmethod
     def from_params(params: list[SamplingParams], seeds: torch.Tensor, ops: VerifyOps = REFERENCE_OPS) -> StepContext:
-        dev = seeds.device
+        temperature, top_k, top_p, min_p = _param_tensors(tuple(params), seeds.device)
         return StepContext(
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
-            seeds,
-            ops,
+            temperature, top_k, top_p, min_p, seeds, ops,
             filtered=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params),
             shared_temperature=params[0].temperature if len({p.temperature for p in params}) == 1 else None,
             known_all_greedy=all(p.greedy for p in params),
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _param_tensors(params: tuple[SamplingParams, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The batch's per-row settings as tensors, cached by the batch's settings: a served batch
+    keeps its requests for many steps, and four small tensors a step were a measurable share of
+    a batch-1 step on a CPU. Callers treat them as read-only."""
+    return (torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
 
 
 @dataclass

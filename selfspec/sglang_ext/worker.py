@@ -226,9 +226,7 @@ class SelfSpecWorker(BaseSpecWorker):
         if all(p.greedy for p in params):
             seeds = torch.zeros((len(states), columns), dtype=torch.long)
         else:
-            base = torch.tensor([st.base_seed for st in states], dtype=torch.long)
-            counter = torch.tensor([st.counter for st in states], dtype=torch.long)
-            seeds = seedmod.step_seeds(base, counter, columns)
+            seeds = seedmod.step_seeds([st.base_seed for st in states], [st.counter for st in states], columns)
         for st in states:
             st.counter += width
         return StepContext.from_params(params, seeds.to(self.device), self.verify_ops)
