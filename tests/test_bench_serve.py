@@ -12,9 +12,13 @@ from selfspec.benchmarks import serve
 
 def test_level_prompts_rotate_through_the_file():
     texts = [str(i) for i in range(10)]
-    assert serve.level_prompts(texts, 0, 4) == ["0", "1", "2", "3"]
-    assert serve.level_prompts(texts, 1, 4) == ["4", "5", "6", "7"]
-    assert serve.level_prompts(texts, 2, 4) == ["8", "9", "0", "1"]
+    sizes = [4, 4, 4]
+    assert serve.level_prompts(texts, sizes, 0) == ["0", "1", "2", "3"]
+    assert serve.level_prompts(texts, sizes, 1) == ["4", "5", "6", "7"]
+    assert serve.level_prompts(texts, sizes, 2) == ["8", "9", "0", "1"]
+    # a level holds at least C requests: "C=8" with 4 prompts a level would batch only 4
+    assert serve.level_sizes([1, 4, 8], 4) == [4, 4, 8]
+    assert serve.level_prompts(texts, [4, 4, 8], 2) == ["8", "9", "0", "1", "2", "3", "4", "5"]
 
 
 def test_unknown_mode_is_refused():
@@ -80,6 +84,9 @@ def test_report_ratios_and_the_ngram_note():
     fits = dict(_report(0.0), concurrency=[1, 4], num_prompts=32, prompts_available=64)
     serve.finish_report(fits)
     assert fits["results"][1]["notes"] == []
+    filled = dict(_report(0.0), concurrency=[1, 64], num_prompts=32, prompts_available=64)  # 32 + 64 requests
+    serve.finish_report(filled)
+    assert filled["results"][1]["notes"] == [serve.NGRAM_REPEAT_NOTE]
 
 
 def test_tuner_predictions_sit_beside_the_rows_served_with_its_plan(tmp_path):
@@ -162,3 +169,11 @@ def test_bench_serve_ar_and_sjd(tmp_path, tiny_base_path):
         assert by_mode[mode]["notes"] == []
     assert all(lv["ratio_vs_ar"] == pytest.approx(1.0) for lv in by_mode["ar"]["levels"])
     assert png.stat().st_size > 0
+
+
+def test_the_committed_prompts_never_repeat_and_fill_the_readme_levels():
+    """A prompt asked twice lets every lookup method (NGRAM, context candidates) replay the first
+    answer; the README's runs (levels 1, 4, 16, 32 with 16 prompts each, C=32 filled) must fit."""
+    texts = serve.load_prompt_texts(serve.Path(serve.__file__).resolve().parents[2] / "bench" / "prompts" / "heldout.jsonl")
+    assert len(set(texts)) == len(texts)
+    assert sum(serve.level_sizes([1, 4, 16, 32], 16)) <= len(texts)

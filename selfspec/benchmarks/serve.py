@@ -83,7 +83,7 @@ NGRAM_GREEDY_NOTE = ("NGRAM verifies greedily on this build: its sampled rows ar
 
 NGRAM_REPEAT_NOTE = ("NGRAM saw these prompts at an earlier level: the levels' windows wrap around the prompts "
                      "file, and its n-gram corpus keeps every earlier output, so it drafts what it already "
-                     "wrote (use levels x --num-prompts <= the file's prompts)")
+                     "wrote (keep the levels' requests, each max(--num-prompts, C), within the file's prompts)")
 
 
 def ngram_verifies_greedily(device: str) -> bool:
@@ -122,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrency levels")
     parser.add_argument("--prompts", default=None,
                         help="JSON lines with {\"prompt\": text} (default: bench/prompts/heldout.jsonl)")
-    parser.add_argument("--num-prompts", type=int, default=32, help="prompts sent per concurrency level")
+    parser.add_argument("--num-prompts", type=int, default=32, help="prompts sent per concurrency level (at least C at level C: a "
+                        "level always fills its concurrency)")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (JACOBI is greedy only)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens tokens")
@@ -326,12 +327,18 @@ def load_prompt_texts(path: str | Path) -> list[str]:
     return texts
 
 
-def level_prompts(texts: list[str], level_index: int, count: int) -> list[str]:
+def level_sizes(levels: list[int], num_prompts: int) -> list[int]:
+    """Requests per concurrency level: `num_prompts`, or C where C is larger, so a level of
+    concurrency C really holds C requests in flight (16 requests at "C=32" would measure C=16)."""
+    return [max(num_prompts, c) for c in levels]
+
+
+def level_prompts(texts: list[str], sizes: list[int], level_index: int) -> list[str]:
     """The prompts of one concurrency level: consecutive windows of the file (cycling), so a mode
     that learns from its own outputs (NGRAM's corpus) does not see the same prompt twice when the
     file is long enough; every mode gets the same window at the same level."""
-    start = (level_index * count) % len(texts)
-    return [texts[(start + i) % len(texts)] for i in range(count)]
+    start = sum(sizes[:level_index]) % len(texts)
+    return [texts[(start + i) % len(texts)] for i in range(sizes[level_index])]
 
 
 def _mode_extra(run: ModeRun, args, model_dir: Path) -> tuple[list[str] | None, str | None]:
@@ -373,7 +380,7 @@ def run(args: argparse.Namespace) -> int:
         args.lora = str(adapter)
     prompts_file = args.prompts or str(Path(__file__).resolve().parents[2] / "bench" / "prompts" / "heldout.jsonl")
     all_prompts = load_prompt_texts(prompts_file)
-    prompts = level_prompts(all_prompts, 0, args.num_prompts)
+    prompts = level_prompts(all_prompts, [args.num_prompts], 0)
     use_genai = args.genai_bench == "on" or (args.genai_bench == "auto" and genai_bench_available())
     if args.genai_bench == "on" and not genai_bench_available():
         raise SystemExit("--genai-bench on, but genai-bench is not installed (pip install genai-bench)")
@@ -415,7 +422,7 @@ def finish_report(report: dict) -> None:
     ar = next((r for r in report["results"] if r["mode"] == "ar" and r["status"] == "ok"), None)
     ar_by_c = {lv["concurrency"]: lv for lv in (ar["levels"] if ar else [])}
     greedy_ngram = report["temperature"] > 0 and ngram_verifies_greedily(report["device"])
-    sent = len(report.get("concurrency", [])) * report.get("num_prompts", 0)
+    sent = sum(level_sizes(report.get("concurrency", []), report.get("num_prompts", 0)))
     repeats = sent > report.get("prompts_available", math.inf)  # the levels' windows wrap around the file
     for r in report["results"]:
         notes = r.setdefault("notes", [])
@@ -462,7 +469,7 @@ def _bench_mode(run: ModeRun, args, model_dir, all_prompts, levels, log_dir, use
         run_level(proc.base_url, ["def warmup():\n"] * 2, 1, min(8, args.max_tokens), args.temperature,
                   False)  # warm-up
         for i, c in enumerate(levels):
-            prompts = level_prompts(all_prompts, i, args.num_prompts)
+            prompts = level_prompts(all_prompts, level_sizes(levels, args.num_prompts), i)
             before = server_stats(proc.base_url)
             lv = run_level(proc.base_url, prompts, c, args.max_tokens, args.temperature, args.ignore_eos)
             after = server_stats(proc.base_url)
