@@ -367,3 +367,15 @@ def test_race_argmax_draws_the_gumbel_max_winner():
     want = (weights.log() + rng.gumbel(seeds, torch.arange(1, 65).unsqueeze(0))).argmax(-1)
     assert torch.equal(got, want)
     assert bool((weights.gather(1, got.unsqueeze(1)) > 0).all())
+
+
+def test_first_argmax_is_torch_argmax_with_its_tie_rule():
+    """The greedy rule's argmax (numpy on the CPU) returns what torch.argmax does: the first of
+    tied maxima, on rows, views and strided slices."""
+    from selfspec.decoding.sampling import first_argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (6, 5, 50), generator=g).float()  # many ties
+    for t in (x, x[2, 3], x[:, 1], x.transpose(0, 1), x[..., ::2], x.double()):
+        got, want = first_argmax(t), t.argmax(-1)
+        assert got.dtype == want.dtype and torch.equal(got, want)

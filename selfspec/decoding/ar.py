@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.decoding.sampling import sample
+from selfspec.decoding.sampling import first_argmax, sample
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
 
 
 def next_tokens(logits: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """[B, V] -> [B]: the AR sampling rule (greedy rows: first argmax), seed column 0."""
     if ctx.all_greedy:
-        return logits.argmax(dim=-1)
+        return first_argmax(logits)
     return sample(logits, ctx.seeds[:, 0], *ctx.sampling_args())
 
 

@@ -39,7 +39,7 @@ import torch
 from selfspec.decoding.logits_rules import grammar_valid, mask_disallowed
 from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.ngram import SuffixIndex, context_index, match_sizes
-from selfspec.decoding.sampling import sample_from_probs
+from selfspec.decoding.sampling import first_argmax, sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
@@ -194,7 +194,7 @@ class ISDMode(Mode):
             s.state.proposal_probs = probs[b] if step.proposals and probs is not None else None
             if step.proposals and self._grammar_guided(s):  # redrawn from the grammar-masked rows
                 s.state.proposals, s.state.proposal_probs = self._grammar_proposals(
-                    s, step.emit, mask_logits[b], ctx.select(torch.tensor([b], device=device)))
+                    s, step.emit, mask_logits[b], ctx.select(b))
             outcomes.append(StepOutcome(step.emit, step.keep, a))
         return outcomes
 
@@ -205,7 +205,7 @@ class ISDMode(Mode):
         sampled rows under proposal="sample"; then also each sampled row's q (None for rows
         whose proposals are one-hot)."""
         if self.config.proposal != "sample" or ctx.all_greedy:
-            return mask_logits.argmax(-1).tolist(), None
+            return first_argmax(mask_logits).tolist(), None
         q = ctx.probs(mask_logits)
         start = self.verify_seeds + first
         seeds = ctx.seeds[:, start : start + mask_logits.shape[1]]

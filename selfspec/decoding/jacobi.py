@@ -47,6 +47,7 @@ from selfspec.decoding import rng
 from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.ngram import SuffixIndex, context_index, match_sizes
 from selfspec.decoding.ngram_pool import NgramPool
+from selfspec.decoding.sampling import first_argmax
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
 
 
@@ -270,7 +271,7 @@ class JacobiMode(Mode):
         rows, drafts, num = rows.to(device), drafts.to(device), num.to(device)
         target = logits.gather(1, rows.view(bsz, -1, 1).expand(-1, -1, logits.shape[-1]))
         result = ctx.ops.greedy_candidates(target.view(bsz, n_branch, depth + 1, -1), drafts, num)
-        argmax = logits.argmax(-1).tolist()
+        argmax = first_argmax(logits).tolist()
         outcomes = []
         for b, (s, a, t, w) in enumerate(zip(seqs, result.accept_len.tolist(), result.next_tokens.tolist(),
                                              result.best_candidate.tolist())):

@@ -30,7 +30,7 @@ import torch
 from selfspec.decoding.logits_rules import grammar_valid
 from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.ngram import SuffixIndex, context_index, match_sizes
-from selfspec.decoding.sampling import sample_from_probs
+from selfspec.decoding.sampling import first_argmax, sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
@@ -149,7 +149,7 @@ class SJDMode(Mode):
         sampling: row r ≥ 1 with seed column depth + r) and, when sampling, the rows' sampling
         distributions [B, R, V]. Row 0 is never reused (its position is verified)."""
         if ctx.all_greedy:
-            return rows.argmax(-1), None
+            return first_argmax(rows), None
         probs = ctx.probs(rows)
         r = rows.shape[1]
         sampled = sample_from_probs(probs[:, 1:], ctx.seeds[:, self.depth + 1 : self.depth + r])

@@ -105,20 +105,23 @@ def collate(layouts: list[StepLayout], pad_token: int = 0, device=None) -> StepB
         tokens = torch.tensor([lay.tokens for lay in layouts], dtype=torch.long, device=device)
         zeros = torch.zeros((bsz, 1), dtype=torch.long, device=device)
         return StepBatch(tokens, zeros, torch.ones((bsz, 1, 1), dtype=torch.bool, device=device), None, [1] * bsz)
-    tokens = torch.full((bsz, width), pad_token, dtype=torch.long)
-    offsets = torch.arange(width).repeat(bsz, 1)
-    branch = torch.full((bsz, width), -1, dtype=torch.long)
+    # rows built as host lists and made tensors once: a tensor write per row and field was a
+    # measurable share of a wide batch's step on a CPU
+    tok_rows, off_rows, branch_rows, gate_rows = [], [], [], []
     any_gate = any(lay.gate is not None for lay in layouts)
-    gate = torch.zeros((bsz, width), dtype=torch.bool) if any_gate else None
-    for b, lay in enumerate(layouts):
+    for lay in layouts:
         n = len(lay)
-        tokens[b, :n] = torch.tensor(lay.tokens, dtype=torch.long)
-        if lay.offsets is not None:
-            offsets[b, :n] = torch.tensor(lay.offsets, dtype=torch.long)
-        branch[b, :n] = 0 if lay.branch is None else torch.tensor(lay.branch, dtype=torch.long)
-        if gate is not None and lay.gate is not None:
-            gate[b, :n] = torch.tensor(lay.gate, dtype=torch.bool)
-    batch = StepBatch(tokens, offsets, branch_visibility(branch), gate, [len(lay) for lay in layouts])
+        pad = width - n
+        tok_rows.append(list(lay.tokens) + [pad_token] * pad)
+        off_rows.append((list(lay.offsets) if lay.offsets is not None else list(range(n))) + list(range(n, width)))
+        branch_rows.append((list(lay.branch) if lay.branch is not None else [0] * n) + [-1] * pad)
+        if any_gate:
+            gate_rows.append((list(lay.gate) if lay.gate is not None else [False] * n) + [False] * pad)
+    tokens = torch.tensor(tok_rows, dtype=torch.long)
+    offsets = torch.tensor(off_rows, dtype=torch.long)
+    gate = torch.tensor(gate_rows, dtype=torch.bool) if any_gate else None
+    batch = StepBatch(tokens, offsets, branch_visibility(torch.tensor(branch_rows, dtype=torch.long)), gate,
+                      [len(lay) for lay in layouts])
     if device is not None:
         batch.tokens, batch.offsets, batch.local = (t.to(device) for t in (batch.tokens, batch.offsets, batch.local))
         if batch.gate is not None:
@@ -152,10 +155,13 @@ class StepContext:
             return self.known_all_greedy
         return bool(self.greedy.all())
 
-    def select(self, rows: torch.Tensor) -> StepContext:
-        """The context of a subset of the batch's rows."""
+    def select(self, rows: torch.Tensor | int) -> StepContext:
+        """The context of a subset of the batch's rows (an int: that one row, as views)."""
+        if isinstance(rows, int):
+            rows = slice(rows, rows + 1)
         return StepContext(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
-                           self.seeds[rows], self.ops, self.filtered, self.shared_temperature)
+                           self.seeds[rows], self.ops, self.filtered, self.shared_temperature,
+                           True if self.known_all_greedy else None)  # a subset of greedy rows is greedy
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The rows' sampling distributions: logits [B, ..., V] -> probs (`sampling.logits_to_probs`)."""
@@ -172,6 +178,8 @@ class StepContext:
 
     def row(self, b: int) -> dict:
         """Row b's settings as the scalar keywords of `tree_verify.verify_paths`."""
+        if self.shared_temperature is not None and not self.filtered:  # known without reading tensors
+            return dict(temperature=self.shared_temperature, top_k=0, top_p=1.0, min_p=0.0)
         return dict(temperature=float(self.temperature[b]), top_k=int(self.top_k[b]), top_p=float(self.top_p[b]),
                     min_p=float(self.min_p[b]))
 

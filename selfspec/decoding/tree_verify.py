@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.decoding import rng
-from selfspec.decoding.sampling import logits_to_probs
+from selfspec.decoding.sampling import first_argmax, logits_to_probs
 from selfspec.decoding.step import StepContext, StepLayout, StepOutcome
 
 
@@ -98,7 +98,7 @@ def finish_split(seqs, logits: torch.Tensor, ctx: StepContext, finish_chains, fi
             outcomes[b] = out
     for b, s in enumerate(seqs):
         if s.state.plan is not None:
-            outcomes[b] = finish_tree(s, logits[b], ctx.select(torch.tensor([b], device=logits.device)))
+            outcomes[b] = finish_tree(s, logits[b], ctx.select(b))
     return outcomes
 
 
@@ -142,7 +142,7 @@ def verify_paths(
         row_index = rows.pop()
         if greedy:
             if row_index not in argmax:
-                argmax[row_index] = int(logits[row_index].argmax())
+                argmax[row_index] = int(first_argmax(logits[row_index]))
             token = argmax[row_index]
             if any(t == token for t, _ in children):
                 alive, depth = _holding(paths, alive, depth, token), depth + 1

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.decoding import rng
-from selfspec.decoding.sampling import logits_to_probs
+from selfspec.decoding.sampling import first_argmax, logits_to_probs
 
 
 @dataclass
@@ -52,7 +52,7 @@ def greedy_verify_reference(
     target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor
 ) -> VerifyResult:
     depth = draft_tokens.shape[1]
-    argmax = target_logits.argmax(dim=-1)  # [B, D+1]
+    argmax = first_argmax(target_logits)  # [B, D+1]
     matches = (argmax[:, :depth] == draft_tokens) & _valid_drafts(num_drafts, depth)
     accept_len = _leading_true(matches)
     next_tokens = argmax.gather(1, accept_len.unsqueeze(1)).squeeze(1)
