@@ -118,8 +118,10 @@ def race_argmax(weights: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     rounding at exact ties): one log over the vocabulary instead of three, a large part of a
     sampled verify at batch 1 on a CPU. Zero weights never win (unless every weight is zero).
     The Triton kernels evaluate the log form."""
+    from selfspec.decoding.sampling import first_argmax
+
     offsets = torch.arange(1, weights.shape[-1] + 1, device=weights.device)
-    return (weights / -torch.log(uniform(seed, offsets))).argmax(dim=-1)
+    return first_argmax(weights / -torch.log(uniform(seed, offsets)))
 
 
 def draw_seeds(shape: tuple[int, ...], generator: torch.Generator | None = None) -> torch.Tensor:
