@@ -372,7 +372,7 @@ def test_race_argmax_draws_the_gumbel_max_winner():
 def test_first_argmax_is_torch_argmax_with_its_tie_rule():
     """The greedy rule's argmax (numpy on the CPU) returns what torch.argmax does: the first of
     tied maxima, on rows, views and strided slices."""
-    from selfspec.decoding.sampling import first_argmax
+    from selfspec.decoding.argmax import first_argmax
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 4, (6, 5, 50), generator=g).float()  # many ties

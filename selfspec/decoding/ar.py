@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.decoding.sampling import first_argmax, sample
+from selfspec.decoding.argmax import first_argmax
+from selfspec.decoding.sampling import sample
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
 
 

@@ -47,7 +47,7 @@ from selfspec.decoding import rng
 from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.ngram import SuffixIndex, context_index, match_sizes
 from selfspec.decoding.ngram_pool import NgramPool
-from selfspec.decoding.sampling import first_argmax
+from selfspec.decoding.argmax import first_argmax
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from selfspec.decoding.argmax import first_argmax
+
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1
 _M1 = 0x85EBCA6B
@@ -118,8 +120,6 @@ def race_argmax(weights: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     rounding at exact ties): one log over the vocabulary instead of three, a large part of a
     sampled verify at batch 1 on a CPU. Zero weights never win (unless every weight is zero).
     The Triton kernels evaluate the log form."""
-    from selfspec.decoding.sampling import first_argmax
-
     offsets = torch.arange(1, weights.shape[-1] + 1, device=weights.device)
     return first_argmax(weights / -torch.log(uniform(seed, offsets)))
 

@@ -30,7 +30,8 @@ import torch
 from selfspec.decoding.logits_rules import grammar_valid
 from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.ngram import SuffixIndex, context_index, match_sizes
-from selfspec.decoding.sampling import first_argmax, sample_from_probs
+from selfspec.decoding.argmax import first_argmax
+from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.decoding import rng
-from selfspec.decoding.sampling import first_argmax, logits_to_probs
+from selfspec.decoding.argmax import first_argmax
+from selfspec.decoding.sampling import logits_to_probs
 from selfspec.decoding.step import StepContext, StepLayout, StepOutcome
 
 
