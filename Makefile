@@ -8,4 +8,4 @@ demo: setup
 	.venv/bin/python -m selfspec.demo
 
 test: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15

@@ -87,6 +87,21 @@ def test_jacobi_with_context_candidate_is_greedy_ar(setup):
     assert forwards(outs) < forwards(plain)  # the candidate won steps the pool could not
 
 
+@pytest.mark.parametrize("max_blocks", [1, 2])
+def test_jacobi_candidate_runs_past_the_block(max_blocks):
+    """A context candidate longer than the real-active block: a win commits more tokens than the
+    block holds (the blocks then restart), still exactly greedy AR."""
+    engine = HFEngine.from_pretrained("tiny-idlm")
+    text = "def area(w, h):\n    return w * h\n\n\ndef area(w, h):\n    return w * h\n\n\ndef area("
+    ids = [engine.encode(text), engine.encode("for i in range(10):\n    print(i)\nfor i in range(10):\n")]
+    ar = engine.generate(ids, 48, stop_token_ids=[], batch_size=2)
+    config = {"block_size": 3, "max_blocks": max_blocks, "context_tokens": 12}
+    outs = engine.generate(ids, 48, stop_token_ids=[], mode="jacobi", mode_config=config, batch_size=2)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ar]
+    longest = max(k for o in outs for k in o.metrics.accept_hist)
+    assert longest > config["block_size"] + 1, [dict(o.metrics.accept_hist) for o in outs]
+
+
 def test_tree_layout_shares_the_common_prefix():
     lay, plan = build_tree_layout(9, [1, 2, 3], [1, 2, 7, 8], stride=4, mask_token_id=0, tail=True)
     # trunk: pending, 1, 2; branch 1: 3 + 3 MASK; branch 2: 7, 8 + 3 MASK

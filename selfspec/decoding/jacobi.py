@@ -11,7 +11,8 @@ pending token and their own earlier tokens (`StepLayout.branch`). Positions are 
 the pending token, so a candidate's i-th token shares its position with the main branch's.
 
 Verification (`selfspec.decoding.verify.greedy_verify_candidates_reference`): the RA draft and each
-candidate (capped at the RA draft's length) are checked greedily against their own anchors;
+candidate (a pool n-gram capped at the RA draft's length; the context candidate uncapped) are
+checked greedily against their own anchors;
 the branch with the longest accepted prefix wins (the main branch on ties); its accepted
 tokens plus the greedy token after them are committed, so the output is exactly greedy AR.
 
@@ -23,6 +24,8 @@ Then (`update_blocks`):
   matching the predictions there, plus one, joins its frozen (pseudo-accepted) prefix, and
   its remaining tokens take the new predictions (a Jacobi update). Pseudo-accepted tokens are
   never emitted; they are drafts the block will verify for real once promoted;
+- a context candidate that won past RA's last position restarts the blocks: no pseudo-active
+  block, a fresh RA after the new pending token;
 - promotion: when RA has accepted all n positions, the first PA becomes RA, its first position
   now holding the pending token (its other tokens are the new RA draft); when the pending token
   lands on RA's last position, the first PA becomes RA at once with all n of its tokens as the
@@ -79,7 +82,8 @@ class JacobiConfig:
     ngram_size: int = 4  # pool n-gram length (a candidate drafts ngram_size - 1 tokens)
     init: str = "history"  # fresh block tokens: "history" | "context" | "random" (the paper's)
     # context n-gram candidate: up to this many tokens that followed the latest earlier match of
-    # the sequence's suffix, one more candidate branch beside the pool's (0 = off)
+    # the sequence's suffix, one more candidate branch beside the pool's (0 = off). Unlike the
+    # pool's n-grams it may run past the real-active block: a win that long restarts the blocks
     context_tokens: int = 0
     context_match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
     # context candidates also from the other sequences served (`corpus.py`), for greedy rows
@@ -183,6 +187,12 @@ def update_blocks(
     ra.accepted += committed
     if a < d - 1:  # RA continues: draft = predictions after the new pending token (rel a+2 .. d)
         ra.tokens = list(predictions[a + 1 : d])
+    elif a > d:
+        # a context candidate ran past RA's last slot: the pseudo-active blocks' positions are
+        # committed or stale, so the blocks start afresh after the new pending token
+        state.pseudo = []
+        state.ra = Block((list(predictions[a + 1 :]) + list(fresh))[: n - 1], 0)
+        return
     elif a == d - 1:
         # the new pending token fills RA's last slot, so RA has nothing left to draft: the next
         # block becomes RA now, all n of its tokens drafting after the pending one (accepted -1:
@@ -214,7 +224,7 @@ class JacobiMode(Mode):
         self.seeds_per_step = 1  # unused: greedy only
         # the RA draft holds up to n tokens (an RA promoted while the pending token fills the last slot)
         self.max_width = (1 + c.max_blocks * c.block_size + c.verify_size * (c.ngram_size - 1)
-                          + min(c.context_tokens, c.block_size))
+                          + c.context_tokens)
 
     def _fresh(self, history: list[int], count: int) -> list[int]:
         """Initial tokens for a new block. Decoding is greedy, so they only affect speed; the
@@ -239,11 +249,12 @@ class JacobiMode(Mode):
             st = s.state
             d = len(st.ra.tokens)
             cands = st.pool.candidates(s.pending, self.config.verify_size) if d else []
+            cands = [c[:d] for c in cands]
             if st.index is not None and d:
-                found = st.index.propose(s.history, min(d, self.config.context_tokens))
-                if found and found != st.ra.tokens[: len(found)] and found not in cands:
+                found = st.index.propose(s.history, self.config.context_tokens)
+                if found and found != st.ra.tokens[: len(found)] and found[:d] not in cands:
                     cands = [found] + cands
-            st.candidates = [c[:d] for c in cands]
+            st.candidates = cands
             lay, starts = build_layout(s.pending, st)
             st.starts = starts
             out.append(lay)
@@ -253,7 +264,7 @@ class JacobiMode(Mode):
         device = logits.device
         bsz = len(seqs)
         n_branch = 1 + max(len(s.state.candidates) for s in seqs)
-        depth = max(len(s.state.ra.tokens) for s in seqs)
+        depth = max(max([len(s.state.ra.tokens), *(len(c) for c in s.state.candidates)]) for s in seqs)
         rows = torch.zeros(bsz, n_branch, depth + 1, dtype=torch.long)
         drafts = torch.zeros(bsz, n_branch, depth, dtype=torch.long)
         num = torch.zeros(bsz, n_branch, dtype=torch.long)

@@ -21,7 +21,10 @@ from selfspec.decoding.sampling import SamplingParams
 GRIDS: dict[str, list[dict[str, Any]]] = {
     "isd": [{"stride": n, "context_tokens": k, "context_tail": False} for n in (2, 3, 4) for k in (0, 4, 8, 16)],
     "sjd": [{"window": w, "context_tokens": k} for w in (1, 2, 4) for k in (0, 4, 8, 16)],
-    "jacobi": [{"block_size": n, "context_tokens": k} for n in (4, 8) for k in (0, n - 1)],
+    # JACOBI's pool candidates (verify_size) widen every step; its context candidate may run
+    # past the block, so small blocks with a long candidate are in the grid
+    "jacobi": [{"block_size": n, "verify_size": v, "context_tokens": k}
+               for n in (2, 4, 8) for v in (0, 4) for k in (0, 8, 16)],
 }
 GRIDS["risd"] = GRIDS["isd"]
 
