@@ -13,14 +13,15 @@ from sglang_fixtures import (
 
 pytestmark = pytest.mark.server
 
-# small blocks keep the CPU verify tree at 1 + 8 + 8 + 3*3 + 7 = 33 query tokens per request
-# (the last 7: a context n-gram candidate); the server builds its tree mask in the GPU backends'
+# small blocks keep the CPU verify tree at 1 + 4 + 4 + 3*3 + 12 = 30 query tokens per request
+# (the last 12: a context n-gram candidate, longer than a block, so a win runs past the real-active
+# block and restarts the blocks); the server builds its tree mask in the GPU backends'
 # full [W, L + W] layout (SELFSPEC_FULL_MASK), so the CPU run also checks the mask the GPU path
 # hands to SGLang. It runs on SGLang's default path (radix cache on, prompts prefilled in chunks
 # of 16 tokens): the burst after the sequential pass reuses cached prefixes of the same prompts.
 server = mode_server_fixture("jacobi", [
     "--speculative-algorithm", "JACOBI",
-    "--selfspec-options", "block_size=8,max_blocks=2,verify_size=3,ngram_size=4,context_tokens=7",
+    "--selfspec-options", "block_size=4,max_blocks=2,verify_size=3,ngram_size=4,context_tokens=12",
 ], env={"SELFSPEC_FULL_MASK": "1"}, default_path=True)
 
 
