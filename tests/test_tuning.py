@@ -77,6 +77,29 @@ def test_monotone_fit_averages_a_spike_instead_of_spreading_it():
     assert all(t.ms[0][j] <= t.ms[1][j] + 1e-9 for j in range(4))  # a larger batch never costs less
 
 
+def test_a_slowdown_during_one_sweep_of_the_grid_does_not_reach_the_table(monkeypatch):
+    """The machine slows down for a while (longer than one point's reps): the grid's other sweep
+    keeps the point's real cost."""
+    from selfspec.tuning import cost
+
+    clock = {"now": 0.0, "calls": 0}
+    true_ms = {(1, 1): 4.0, (1, 8): 6.0, (4, 1): 7.0, (4, 8): 11.0}
+
+    def forward(batch, width):
+        def run():
+            clock["calls"] += 1
+            slow = 19 <= clock["calls"] <= 24  # the first sweep's last point (6 calls a point), reps and all
+            clock["now"] += (true_ms[(batch, width)] * (2.0 if slow else 1.0)) / 1e3
+        return run
+
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock["now"])
+    one = cost.measure(forward, [1, 4], [1, 8], reps=5, passes=1)
+    assert one.ms[1][1] == pytest.approx(22.0)  # a single sweep keeps the spike
+    clock["calls"] = 0
+    two = cost.measure(forward, [1, 4], [1, 8], reps=5, passes=2)
+    assert [v for row in two.ms for v in row] == pytest.approx([4.0, 6.0, 7.0, 11.0])
+
+
 def test_cost_interpolation_and_extrapolation():
     t = table(lambda b, w: 2.0 + b * w)
     assert t.time_ms(4, 4) == pytest.approx(18.0)

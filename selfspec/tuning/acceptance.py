@@ -19,8 +19,8 @@ from selfspec.decoding.sampling import SamplingParams
 #: JACOBI, each with and without a context candidate of a few lengths (the embedded I-DLM
 #: models are trained for strides 2-4).
 GRIDS: dict[str, list[dict[str, Any]]] = {
-    "isd": [{"stride": n, "context_tokens": k, "context_tail": False} for n in (2, 3, 4) for k in (0, 4, 8, 16)],
-    "sjd": [{"window": w, "context_tokens": k} for w in (1, 2, 4) for k in (0, 4, 8, 16)],
+    "isd": [{"stride": n, "context_tokens": k, "context_tail": False} for n in (2, 3, 4) for k in (0, 4, 8, 12, 16)],
+    "sjd": [{"window": w, "context_tokens": k} for w in (1, 2, 4) for k in (0, 4, 8, 12, 16)],
     # JACOBI's pool candidates (verify_size) widen every step; its context candidate may run
     # past the block, so small blocks with a long candidate are in the grid
     "jacobi": [{"block_size": n, "verify_size": v, "context_tokens": k}

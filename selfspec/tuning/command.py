@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.tuning.calibrate import calibration_batches, server_overhead
 
     calibrate = calibration_batches(batch_sizes)[0] if overhead is None else []
-    total = (len(batch_sizes) * len(widths) + sum(len(c) * len(samplings) for c in cands.values())
+    total = (cost.GRID_PASSES * len(batch_sizes) * len(widths) + sum(len(c) * len(samplings) for c in cands.values())
              + len(calibrate) * len(samplings) * len(modes))
     t0 = time.perf_counter()
     overheads: dict[str, dict[str, cost.StepOverhead]] = {}  # mode -> sampling kind -> overhead

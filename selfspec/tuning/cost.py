@@ -110,24 +110,33 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+#: Sweeps of the forward-cost grid (`measure`).
+GRID_PASSES = 2
+
+
 def measure(forward: Callable[[int, int], Callable[[], None]], batch_sizes: list[int], widths: list[int],
-            reps: int = 5, progress=None) -> CostTable:
-    """`forward(batch, width)` prepares one grid point and returns the call to time."""
-    ms = []
-    for b in batch_sizes:
-        row = []
-        for w in widths:
-            run = forward(b, w)
-            run()  # warm-up
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                run()
-                times.append(1e3 * (time.perf_counter() - t0))
-            row.append(statistics.median(times))
-            if progress is not None:
-                progress.update(1)
-        ms.append(row)
+            reps: int = 5, progress=None, passes: int = GRID_PASSES) -> CostTable:
+    """`forward(batch, width)` prepares one grid point and returns the call to time. Each point
+    is the median of `reps` forwards, taken in `passes` sweeps of the whole grid, the fastest
+    sweep kept: a slowdown of the shared machine lasts longer than one point's reps (one such
+    spike, 15 ms for ~11 at batch 4 width 12, turned a tuned ISD plan's batch-4 bucket from
+    an 8- to a 4-token candidate), rarely as long as a sweep."""
+    if passes < 1:
+        raise ValueError(f"cost grid: passes must be >= 1, got {passes}")
+    ms = [[float("inf")] * len(widths) for _ in batch_sizes]
+    for _ in range(passes):
+        for i, b in enumerate(batch_sizes):
+            for j, w in enumerate(widths):
+                run = forward(b, w)
+                run()  # warm-up
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    run()
+                    times.append(1e3 * (time.perf_counter() - t0))
+                ms[i][j] = min(ms[i][j], statistics.median(times))
+                if progress is not None:
+                    progress.update(1)
     return CostTable(list(batch_sizes), list(widths), ms)
 
 
