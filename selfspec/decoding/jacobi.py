@@ -252,8 +252,9 @@ class JacobiMode(Mode):
             cands = [c[:d] for c in cands]
             if st.index is not None and d:
                 found = st.index.propose(s.history, self.config.context_tokens)
-                if found and found != st.ra.tokens[: len(found)] and found[:d] not in cands:
-                    cands = [found] + cands
+                if found and found != st.ra.tokens[: len(found)]:
+                    # a pool n-gram the candidate starts with verifies nothing the candidate does not
+                    cands = [found] + [c for c in cands if c != found[: len(c)]]
             st.candidates = cands
             lay, starts = build_layout(s.pending, st)
             st.starts = starts
@@ -264,7 +265,7 @@ class JacobiMode(Mode):
         device = logits.device
         bsz = len(seqs)
         n_branch = 1 + max(len(s.state.candidates) for s in seqs)
-        depth = max(max([len(s.state.ra.tokens), *(len(c) for c in s.state.candidates)]) for s in seqs)
+        depth = max(len(c) for s in seqs for c in (s.state.ra.tokens, *s.state.candidates))
         rows = torch.zeros(bsz, n_branch, depth + 1, dtype=torch.long)
         drafts = torch.zeros(bsz, n_branch, depth, dtype=torch.long)
         num = torch.zeros(bsz, n_branch, dtype=torch.long)
