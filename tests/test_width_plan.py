@@ -202,3 +202,44 @@ def test_online_check_probes_less_the_further_the_running_arm_leads():
     near, far = probe_share(110.0), probe_share(400.0)
     assert 0.08 < near < 0.13  # 6 probe steps per 48 + 6
     assert 0.02 < far < 0.04  # 6 per 4 x 48 + 6
+
+
+@pytest.mark.parametrize("text, watch_tokens, probes_plan", [
+    ("loop", 3, True),  # the candidate copies the loop: three tokens come true, the plan is probed
+    ("fresh", 3, False),  # text that does not repeat: no candidate, AR steps go on
+    ("loop", 0, False),  # the watch off: only the scheduled probes
+])
+def test_ar_steps_probe_the_plan_when_its_context_candidate_comes_true(text, watch_tokens, probes_plan):
+    """Where the online check runs AR steps, a repetitive stretch (which a context candidate
+    would copy, many tokens a step) is noticed from the tokens AR emits: served JACOBI at C=4
+    otherwise ran AR through loops (TPF 2.5 against 3.6 with the check off)."""
+    from selfspec.decoding import registry
+    from selfspec.decoding.registry import ModeResources
+    from selfspec.decoding.step import DecodeSequence, StepOutcome
+
+    plan = {"greedy": [{"max_batch": None, "block_size": 2, "context_tokens": 8}],
+            "online": {"watch_tokens": watch_tokens}}
+    mode = registry.build_planned("jacobi", {}, plan, ModeResources(vocab_size=VOCAB))
+    loop = [5, 6, 7, 8, 9]
+    seq = DecodeSequence([1, 2, 3] + loop * 2)
+
+    def step(emit: int | None) -> str:
+        m = mode.choose([seq])
+        if m.name == "ar":  # AR: 1 token in 10 ms; the plan: 1 token in 30 ms (no candidate so far)
+            if emit is not None:
+                seq.history.append(emit)
+            mode.observe([StepOutcome([0], [0])], 0.01)
+        else:
+            mode.observe([StepOutcome([0], [0])], 0.03)
+        return m.name
+
+    for _ in range(60):  # the check learns that AR steps are faster here
+        step(None)
+    assert mode.check.summary()["greedy-0"]["runs"] == "ar"
+    arms, fresh = [], iter(range(20, 120))
+    for i in range(6):
+        arms.append(step(loop[i % 5] if text == "loop" else next(fresh)))
+    assert ("jacobi" in arms) == probes_plan, arms
+    assert (mode.check.watch_probes > 0) == probes_plan
+    if probes_plan:
+        assert arms[:3] == ["ar"] * 3 and arms[3] == "jacobi"  # right after the third copied token

@@ -22,6 +22,12 @@ bucket's mode and of plain AR steps, runs the faster one and now and then probes
 few steps, the more rarely the further the running one leads. A plan whose speculation does not
 pay on the machine it runs on (the cost model mispredicted, the load is not the tuner's) then
 falls back to AR steps by measurement, at the price of the probes.
+
+AR steps cannot measure what the plan would gain on a repetitive stretch, and a rare probe seldom
+lands on one: a served JACOBI plan at C=4 ran AR through the loops its context candidate would
+have copied (TPF 2.5 against 3.6 with the check off). So while AR steps serve a batch, each
+sequence's `CandidateWatch` keeps the context candidate the plan's mode would verify and checks it
+against the tokens AR then emits; when `watch_tokens` of them came true, the plan is probed at once.
 """
 
 from __future__ import annotations
@@ -60,10 +66,15 @@ class OnlineCheckConfig:
     # than with no check (README "Online check").
     decay: float = 0.99
     margin: float = 0.03  # the other arm must be this much faster to take over
+    # AR steps probe the plan at once when this many tokens of a sequence's context candidate came
+    # true (0: off); a 3-token copy is rare in text that does not repeat itself
+    watch_tokens: int = 3
 
     def __post_init__(self) -> None:
         if self.probe_every < 1 or self.probe_steps < 1:
             raise ValueError("online check: probe_every and probe_steps must be >= 1")
+        if self.watch_tokens < 0:
+            raise ValueError("online check: watch_tokens must be >= 0 (0 = off)")
         if not 0 <= self.decay < 1 or self.margin < 0:
             raise ValueError("online check: decay in [0, 1), margin >= 0")
 
@@ -167,6 +178,7 @@ class OnlineCheck:
         self._observed: dict[Any, int] = {}  # observations per key
         self.switches = 0  # times the faster arm changed
         self.observations = 0
+        self.watch_probes = 0  # plan probes a `CandidateWatch` started
 
     def arm(self, key: Any) -> str:
         """The arm the next step of this key runs (and the probe schedule advanced)."""
@@ -191,6 +203,17 @@ class OnlineCheck:
             return other
         self._since_probe[key] = since
         return best
+
+    def probe_plan(self, key: Any) -> str:
+        """Run the plan from this step on: a probe of it now where AR is the faster arm (its
+        usual length), the end of an AR probe otherwise."""
+        if self._best.get(key, "plan") == "ar":
+            self._probing[key] = self.config.probe_steps - 1
+            self._since_probe[key] = 0
+        else:
+            self._probing[key] = 0
+        self.watch_probes += 1
+        return "plan"
 
     def observe(self, key: Any, arm: str, tokens_per_request: float, seconds: float) -> None:
         self.observations += 1
@@ -218,6 +241,39 @@ class OnlineCheck:
                                                                  "plan_rate": round(v["plan"].rate, 2),
                                                                  "ar_rate": round(v["ar"].rate, 2)}
                 for k, v in self._arms.items()}
+
+
+class CandidateWatch:
+    """The context candidate a mode would verify for a sequence, kept while AR steps serve it:
+    `came_true` says how many of its tokens the sequence has emitted since (a candidate that
+    missed is replaced by the next one)."""
+
+    def __init__(self, mode: Mode, seq: DecodeSequence):
+        from selfspec.decoding.ngram import context_index
+
+        cfg = mode.config
+        self.mode = mode
+        self.tokens = cfg.context_tokens
+        self.index = context_index(seq, cfg.context_tokens, cfg.context_match_sizes, mode.corpus,
+                                   cfg.context_corpus)
+        self.start = 0  # history length when the candidate was proposed
+        self.candidate: list[int] = []
+
+    @staticmethod
+    def watches(mode: Mode) -> bool:
+        """Whether `mode` verifies context candidates (ISD, RISD, SJD, JACOBI with context_tokens)."""
+        return getattr(getattr(mode, "config", None), "context_tokens", 0) > 0 and hasattr(mode, "corpus")
+
+    def came_true(self, history: list[int]) -> int:
+        """Tokens of the kept candidate the sequence emitted since it was proposed; once it
+        missed or ran out, the next candidate is kept."""
+        emitted = history[self.start :]
+        n, most = 0, min(len(emitted), len(self.candidate))
+        while n < most and emitted[n] == self.candidate[n]:
+            n += 1
+        if n < len(emitted) or n == len(self.candidate):
+            self.start, self.candidate = len(history), self.index.propose(history, self.tokens)
+        return n
 
 
 def _buckets(items: Any, mode: str, name: str) -> tuple[PlanBucket, ...]:
@@ -285,8 +341,23 @@ class PlannedMode(Mode):
         # until an engine reports step times the plan is followed as written (the offline
         # engine reports none, so its choices stay a function of the batch alone)
         arm = self.check.arm(key) if self.check.observations else "plan"
+        if arm == "ar" and self._candidate_came_true(mode, seqs):
+            arm = self.check.probe_plan(key)
         self._last = (key, arm)
         return self.ar_mode if arm == "ar" else mode
+
+    def _candidate_came_true(self, mode: Mode, seqs: list[DecodeSequence]) -> bool:
+        """Whether, for some sequence AR steps serve, `watch_tokens` of the context candidate
+        `mode` would have verified came true (module doc)."""
+        need = self.check.config.watch_tokens
+        if not need or not CandidateWatch.watches(mode):
+            return False
+        hit = False
+        for s in seqs:
+            if s.watch is None or s.watch.mode is not mode:
+                s.watch = CandidateWatch(mode, s)
+            hit = s.watch.came_true(s.history) >= need or hit  # every watch sees every token
+        return hit
 
     def observe(self, outcomes: list[StepOutcome], seconds: float) -> None:
         """The wall-clock period of the last step (from its start to the next step's start,

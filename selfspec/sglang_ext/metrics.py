@@ -157,6 +157,7 @@ def _after_add_speculative(result, self, state, *args, **kwargs):
         check = getattr(getattr(worker, "mode", None), "check", None)
         if check is not None:  # a width plan's online check: per batch-size class, what runs
             state["selfspec"]["online_check"] = check.summary()
+            state["selfspec"]["online_check_watch_probes"] = check.watch_probes
     return result
 
 
