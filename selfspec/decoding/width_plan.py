@@ -264,6 +264,10 @@ class CandidateWatch:
         """Whether `mode` verifies context candidates (ISD, RISD, SJD, JACOBI with context_tokens)."""
         return getattr(getattr(mode, "config", None), "context_tokens", 0) > 0 and hasattr(mode, "corpus")
 
+    def forget(self, history: list[int]) -> None:
+        """Drop the kept candidate (the next `came_true` proposes afresh from `history`)."""
+        self.start, self.candidate = len(history), []
+
     def came_true(self, history: list[int]) -> int:
         """Tokens of the kept candidate the sequence emitted since it was proposed; once it
         missed or ran out, the next candidate is kept."""
@@ -343,6 +347,10 @@ class PlannedMode(Mode):
         arm = self.check.arm(key) if self.check.observations else "plan"
         if arm == "ar" and self._candidate_came_true(mode, seqs):
             arm = self.check.probe_plan(key)
+        elif arm == "plan":  # what the plan's own steps emit is measured, not watched
+            for s in seqs:
+                if s.watch is not None:
+                    s.watch.forget(s.history)
         self._last = (key, arm)
         return self.ar_mode if arm == "ar" else mode
 
