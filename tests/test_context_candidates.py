@@ -209,6 +209,30 @@ def test_corpus_continues_other_documents_and_forgets_the_oldest():
     assert corpus.continuation((2, 3), 2) == [7, 8]
 
 
+def test_the_longest_match_picks_the_continuation_and_a_hash_collision_drafts_nothing(monkeypatch):
+    """With the default match sizes a longer suffix match wins over the latest short one: in a
+    corpus of many requests a 2-gram recurs everywhere and its latest occurrence is often the
+    wrong text. The corpus indexes hashes of m-grams; an entry whose text differs (a collision)
+    gives no candidate."""
+    import selfspec.decoding.corpus as corpus_mod
+    from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES
+
+    corpus = SharedCorpus()
+    a, b = corpus.open(), corpus.open()
+    corpus.append(a, [10, 11, 12, 13, 20, 21])  # the right continuation of (11, 12, 13)
+    corpus.append(b, [40, 12, 13, 30, 31])  # the latest (12, 13): wrong here
+    seq = DecodeSequence([1, 11, 12, 13])
+    assert SuffixIndex(CONTEXT_MATCH_SIZES, corpus, seq).propose(seq.history, 2) == [20, 21]
+    assert SuffixIndex((2,), corpus, DecodeSequence([1, 11, 12, 13])).propose(seq.history, 2) == [30, 31]
+    collide = SharedCorpus()
+    real_hash = hash
+    monkeypatch.setattr(corpus_mod, "hash", lambda key: 7 if key in {(2, 3), (8, 9)} else real_hash(key),
+                        raising=False)  # (2, 3) and (8, 9) collide
+    collide.append(collide.open(), [2, 3, 5, 8, 9, 6])  # (8, 9)'s entry replaced (2, 3)'s
+    assert collide.continuation((8, 9), 1) == [6]
+    assert collide.continuation((2, 3), 1) == []  # not (8, 9)'s continuation
+
+
 def test_own_history_first_then_the_corpus_for_greedy_rows():
     corpus = SharedCorpus()
     other = DecodeSequence([5, 6, 7, 8, 9])

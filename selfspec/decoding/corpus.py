@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+_END_MASK = (1 << 32) - 1
+
 
 class SharedCorpus:
     def __init__(self, capacity: int = 1 << 18):
@@ -26,8 +28,10 @@ class SharedCorpus:
         self.capacity = capacity  # tokens kept over all documents
         self.docs: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
         self.tokens = 0
-        # per suffix length m: m-gram -> (doc, index of its last token), the latest occurrence
-        self.latest: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {}
+        # per suffix length m: hash of the m-gram -> its latest occurrence, doc << 32 | index of
+        # its last token. Ints, not tuples: five lengths over 262,144 tokens would hold ~1.3M
+        # entries; a hash collision only yields a candidate the verify rejects
+        self.latest: dict[int, dict[int, int]] = {}
         self._next_doc = 0
 
     def open(self) -> int:
@@ -62,22 +66,27 @@ class SharedCorpus:
             table = self.latest[m] = {}
             for doc, text in self.docs.items():
                 self._index(table, m, doc, text, 0)
-        hit = table.get(suffix)
-        if hit is None or hit[0] == exclude:
+        hit = table.get(hash(suffix))
+        if hit is None or hit >> 32 == exclude:
             return []
-        doc, end = hit
-        return self.docs[doc][end + 1 : end + 1 + k]
+        doc, end = hit >> 32, hit & _END_MASK
+        text = self.docs.get(doc)
+        if text is None or end >= len(text) or tuple(text[end - m + 1 : end + 1]) != suffix:
+            return []  # a hash collision
+        return text[end + 1 : end + 1 + k]
 
     @staticmethod
     def _index(table: dict, m: int, doc: int, text: list[int], start: int) -> None:
+        base = doc << 32
         for end in range(max(start, m - 1), len(text)):
-            table[tuple(text[end - m + 1 : end + 1])] = (doc, end)
+            table[hash(tuple(text[end - m + 1 : end + 1]))] = base | end
 
     def _drop_oldest(self) -> None:
         doc, text = self.docs.popitem(last=False)
         self.tokens -= len(text)
         for m, table in self.latest.items():
             for end in range(m - 1, len(text)):
-                key = tuple(text[end - m + 1 : end + 1])
-                if table.get(key, (None,))[0] == doc:
+                key = hash(tuple(text[end - m + 1 : end + 1]))
+                hit = table.get(key)
+                if hit is not None and hit >> 32 == doc:
                     del table[key]

@@ -48,7 +48,7 @@ import torch
 
 from selfspec.decoding import rng
 from selfspec.decoding.corpus import SharedCorpus
-from selfspec.decoding.ngram import SuffixIndex, context_index, match_sizes
+from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, SuffixIndex, context_index, match_sizes
 from selfspec.decoding.ngram_pool import NgramPool
 from selfspec.decoding.argmax import first_argmax
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
@@ -85,7 +85,7 @@ class JacobiConfig:
     # the sequence's suffix, one more candidate branch beside the pool's (0 = off). Unlike the
     # pool's n-grams it may run past the real-active block: a win that long restarts the blocks
     context_tokens: int = 0
-    context_match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
+    context_match_sizes: tuple[int, ...] = CONTEXT_MATCH_SIZES  # suffix lengths tried, longest first
     # context candidates also from the other sequences served (`corpus.py`), for greedy rows
     context_corpus: bool = True
 

@@ -29,7 +29,7 @@ import torch
 
 from selfspec.decoding.logits_rules import grammar_valid
 from selfspec.decoding.corpus import SharedCorpus
-from selfspec.decoding.ngram import SuffixIndex, context_index, match_sizes
+from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, SuffixIndex, context_index, match_sizes
 from selfspec.decoding.argmax import first_argmax
 from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
@@ -49,7 +49,7 @@ class SJDConfig:
     # context n-gram candidate: up to this many tokens that followed the latest earlier match of
     # the sequence's suffix, verified as a second branch beside the window (0 = off)
     context_tokens: int = 0
-    context_match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
+    context_match_sizes: tuple[int, ...] = CONTEXT_MATCH_SIZES  # suffix lengths tried, longest first
     # context candidates also from the other sequences served (`corpus.py`), for greedy rows
     context_corpus: bool = True
 
