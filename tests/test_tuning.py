@@ -100,6 +100,29 @@ def test_a_slowdown_during_one_sweep_of_the_grid_does_not_reach_the_table(monkey
     assert [v for row in two.ms for v in row] == pytest.approx([4.0, 6.0, 7.0, 11.0])
 
 
+def test_greedy_acceptance_runs_draw_on_a_warm_corpus():
+    """The tuner's greedy acceptance runs see a corpus holding other prompts' outputs, as a
+    server's context candidates do; sampled runs never use it. A corpus holding the prompt's own
+    continuation (a server asked the same twice) makes the candidate accept far more."""
+    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.engines.hf import HFEngine
+    from selfspec.tuning import acceptance
+
+    engine = HFEngine.from_pretrained("tiny-idlm")
+    prompts = [engine.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser(description=")]
+    samplings = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.7)}
+    warm = acceptance.warm_corpus(engine, prompts, 48)
+    assert warm.tokens == len(prompts[0]) + 48
+    runs = {}
+    for name, corpus in (("cold", None), ("warm", warm)):
+        (cand,) = [c for c in acceptance.candidates_for("isd", [{"stride": 2, "context_tokens": 8}]) if c.mode == "isd"]
+        acceptance.measure(engine, [cand], prompts, 48, samplings, corpus=corpus)
+        runs[name] = cand.tokens_per_step
+    assert runs["warm"]["greedy"] > runs["cold"]["greedy"] + 1.5, runs
+    assert runs["warm"]["sampled"] == runs["cold"]["sampled"]
+    assert warm.tokens == len(prompts[0]) + 48  # each run drew on a copy
+
+
 def test_cost_interpolation_and_extrapolation():
     t = table(lambda b, w: 2.0 + b * w)
     assert t.time_ms(4, 4) == pytest.approx(18.0)
@@ -124,7 +147,8 @@ def test_written_config_round_trips_into_the_server_config(tmp_path, tiny_base_p
     costs = table(lambda b, w: 5.0 * max(1.0, b * w / 16))
     plan = {kind: [b.to_dict() for b in buckets(choose(costs, CANDIDATES, kind, 32))] for kind in ("greedy", "sampled")}
     args = argparse.Namespace(model="tiny-base", modes="isd", batch_sizes="1,4,16,32", temperature=0.7, threads=1,
-                              dtype="float32", context=192, limit=8, prompts="p.jsonl", max_new_tokens=64)
+                              dtype="float32", context=192, limit=8, prompts="p.jsonl", max_new_tokens=64,
+                              corpus_prompts=32)
     path = tmp_path / "tuned.yaml"
     path.write_text(_yaml_text("isd", plan, costs, CANDIDATES, ["a line"], args))
     assert path.read_text().startswith("# Width plan for ISD")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from selfspec.decoding import registry
+from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.metadata import SelfspecMetadata, load_metadata, resolve_mask_token_id
 from selfspec.decoding.progress import normalize_stop_ids
 from selfspec.decoding.sampling import SamplingParams
@@ -123,11 +124,13 @@ class HFEngine:
         tid = self.mask_token_id if explicit is None else explicit
         return resolve_mask_token_id(tid, self.metadata, self.tokenizer)
 
-    def build_mode(self, mode: str | Mode, mode_config: Any = None, plan: Any = None) -> Mode:
+    def build_mode(self, mode: str | Mode, mode_config: Any = None, plan: Any = None,
+                   corpus: SharedCorpus | None = None) -> Mode:
         """The mode object for this model, or ModeUnavailable saying why it cannot run.
         A `Mode` instance is used as given (custom or instrumented modes). `plan` (a
         `width_plan.WidthPlan` or its dict form) picks each step's configuration from the batch,
-        over mode_config as the base options."""
+        over mode_config as the base options. `corpus`: the text its context candidates may draw
+        on besides each sequence's own (default: a fresh one, filled by this mode's sequences)."""
         if isinstance(mode, Mode):
             return mode
         spec = registry.get(mode)
@@ -147,7 +150,7 @@ class HFEngine:
                 raise ModeUnavailable(f"mask token id {mask_id} is outside the model's embedding table")
         if spec.needs_adapter:
             self._ensure_adapter(cfg.adapter or self.adapter)
-        resources = registry.ModeResources(mask_id, self.vocab_size)
+        resources = registry.ModeResources(mask_id, self.vocab_size, corpus)
         if plan is not None:
             base = dataclasses.asdict(cfg) if cfg is not None else {}
             return registry.build_planned(spec.name, base, plan, resources)

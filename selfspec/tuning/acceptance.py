@@ -6,13 +6,21 @@ sequence on its own), so each candidate decodes the held-out prompts once per sa
 on the HF engine, all prompts in one batch, and reports committed tokens per decode step. Its
 width is the widest layout of its mode object: what a planned server step pads every request
 to (`Mode.step_width`).
+
+A server's context candidates also draw on what it served before (`decoding/corpus.py`), which
+an acceptance run from an empty corpus does not see: it priced the corpus at nothing, and a
+served ISD plan ran 4-token candidates where 8 served faster. So greedy runs start from a corpus
+that already holds other prompts' outputs (`warm_corpus`), as a server's does after its first
+requests; sampled rows never use the corpus.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.sampling import SamplingParams
 
 #: The widths searched per mode: stride N for ISD / RISD, window W for SJD, block size n for
@@ -52,17 +60,29 @@ def candidates_for(mode: str, grid: list[dict[str, Any]] | None = None) -> list[
     return [Candidate("ar")] + [Candidate(mode, dict(opts)) for opts in (grid if grid is not None else GRIDS[mode])]
 
 
+def warm_corpus(engine, prompts: list[list[int]], max_new_tokens: int) -> SharedCorpus:
+    """A corpus holding `prompts` and their greedy AR continuations, one document each."""
+    corpus = SharedCorpus()
+    if prompts:
+        outs = engine.generate(prompts, max_new_tokens, SamplingParams(), stop_token_ids=[], batch_size=len(prompts))
+        for p, out in zip(prompts, outs):
+            corpus.append(corpus.open(), list(p) + list(out.token_ids))
+    return corpus
+
+
 def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_new_tokens: int,
             samplings: dict[str, SamplingParams], base_options: dict[str, Any] | None = None, seed: int = 0,
-            progress=None) -> None:
-    """Fill each candidate's width and tokens_per_step (per sampling kind) in place."""
+            progress=None, corpus: SharedCorpus | None = None) -> None:
+    """Fill each candidate's width and tokens_per_step (per sampling kind) in place. `corpus`:
+    what the greedy runs' context candidates find besides the prompts' own text (a copy each)."""
     for cand in candidates:
         options = None if cand.mode == "ar" else {**(base_options or {}), **cand.options}
         mode_obj = engine.build_mode(cand.mode, options)
         cand.width = int(mode_obj.max_width)
         for kind, sampling in samplings.items():
             # a fresh mode per run: its context corpus must not hold the other run's outputs
-            mode_obj = engine.build_mode(cand.mode, options)
+            warm = copy.deepcopy(corpus) if corpus is not None and sampling.greedy else None
+            mode_obj = engine.build_mode(cand.mode, options, corpus=warm)
             if mode_obj.greedy_only and not sampling.greedy:
                 cand.tokens_per_step[kind] = float("nan")  # cannot serve sampled batches
             else:

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "one serving config each")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help='JSON lines {"prompt": "..."} (default %(default)s)')
     p.add_argument("--limit", type=int, default=16, help="prompts used for the acceptance runs (default 16)")
+    p.add_argument("--corpus-prompts", type=int, default=32,
+                   help="the next N prompts' greedy outputs fill the context corpus before the greedy acceptance "
+                   "runs, as a server's holds what it served before (default %(default)s; 0: an empty corpus)")
     p.add_argument("--max-new-tokens", type=int, default=128,
                    help="tokens per prompt in the acceptance runs (default 128; acceptance grows with the output "
                    "length on text that repeats itself, so use the length you serve)")
@@ -109,9 +112,12 @@ def run(args: argparse.Namespace) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     engine = HFEngine.from_pretrained(args.model, dtype=dtype)
     try:
-        _, prompts = load_prompts(args.prompts, engine.tokenizer, args.limit)
+        _, loaded = load_prompts(args.prompts, engine.tokenizer, args.limit + max(args.corpus_prompts, 0))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.corpus_prompts < 0:
+        raise UsageError(f"--corpus-prompts {args.corpus_prompts}: expected >= 0")
+    prompts, corpus_prompts = loaded[: args.limit], loaded[args.limit :]
     samplings = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=args.temperature)}
     cands = {m: acceptance.candidates_for(m) for m in modes}
     # widths beyond the grid are extrapolated; extend the grid to the widest candidate instead
@@ -129,8 +135,12 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=total, desc="tune", unit="run") as bar:
         raw = cost.measure(cost.hf_forward(engine, args.context), batch_sizes, widths, args.reps, bar)
         table = raw.monotone()
+        bar.set_description("tune: corpus")
+        corpus = acceptance.warm_corpus(engine, corpus_prompts, args.max_new_tokens)
+        bar.set_description("tune")
         for m in modes:
-            acceptance.measure(engine, cands[m], prompts, args.max_new_tokens, samplings, seed=args.seed, progress=bar)
+            acceptance.measure(engine, cands[m], prompts, args.max_new_tokens, samplings, seed=args.seed, progress=bar,
+                               corpus=corpus)
         for m in modes:
             if overhead is not None:
                 overheads[m] = {kind: overhead for kind in samplings}
@@ -232,7 +242,8 @@ def _yaml_text(mode, plan, table, cands, lines, args) -> str:
             f"{args.context} cached tokens per request:"]
     head += ["#   " + line for line in _cost_text(table).splitlines()]
     head += ["#", f"# Acceptance: {args.limit} prompts of {args.prompts} x {args.max_new_tokens} tokens; "
-             f"sampled = temperature {args.temperature}; * = chosen"]
+             f"sampled = temperature {args.temperature}; * = chosen;",
+             f"# greedy context candidates also draw on the next {args.corpus_prompts} prompts' outputs (a served corpus)"]
     head += ["# " + line for line in lines]
     body = yaml.safe_dump({"mode": mode.upper(), "plan": plan}, sort_keys=False, default_flow_style=None)
     return "\n".join(head) + "\n" + body
