@@ -243,6 +243,11 @@ class Mode:
     max_width = 1  # most query tokens a layout can have (sizes the engine's buffers)
 
     @property
+    def step_width(self) -> int:
+        """The widest layout of the step `layouts` last planned (a planned mode narrows it)."""
+        return self.max_width
+
+    @property
     def step_seed_columns(self) -> int:
         """How many of the step's `seeds_per_step` seeds the step `layouts` last planned reads
         (a prefix: the engine hashes only those and still advances the counter by all)."""

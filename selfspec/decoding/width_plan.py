@@ -326,6 +326,11 @@ class PlannedMode(Mode):
         self.current: Mode = self.greedy_modes[0]
 
     @property
+    def step_width(self) -> int:
+        """The widest layout of the mode the last `layouts` call chose."""
+        return self.current.max_width
+
+    @property
     def step_seed_columns(self) -> int:
         return self.current.seeds_per_step
 

@@ -295,11 +295,10 @@ class SelfSpecWorker(BaseSpecWorker):
 
         layouts = self.mode.layouts(seqs)
         real_widths = [len(lay) for lay in layouts]
-        # The forward's width: SGLang reserved self.width KV slots per request; a step uses the
-        # first W of them, W its longest layout (a step where no request found a context
-        # candidate is a few tokens wide, not the bucket's widest). CUDA graphs were captured at
-        # one width, so GPU steps keep it (padding).
-        W = self.width if self._fixed_forward_width else min(self.width, max(real_widths))
+        # The forward's width: SGLang reserved self.width KV slots per request; a planned mode
+        # runs narrower steps in the first W of them. CUDA graphs were captured at one width, so
+        # GPU steps keep it (padding).
+        W = self.width if self._fixed_forward_width else min(self.width, self.mode.step_width)
         step = collate([pad_layout(lay, W, self.pad_token) for lay in layouts], self.pad_token, device=dev)
 
         seq_lens = batch.seq_lens

@@ -4,9 +4,8 @@ A candidate is one configuration a plan bucket could run: plain AR (width 1) or 
 some options. Its acceptance does not depend on the batch it runs in (every mode decides each
 sequence on its own), so each candidate decodes the held-out prompts once per sampling setting
 on the HF engine, all prompts in one batch, and reports committed tokens per decode step. Its
-width is the widest layout of its mode object (`Mode.max_width`): what a GPU server step pads
-every request to; a CPU server step runs its longest layout, so steps where no request found a
-context candidate cost less than the plan assumes.
+width is the widest layout of its mode object: what a planned server step pads every request
+to (`Mode.step_width`).
 
 A server's context candidates also draw on what it served before (`decoding/corpus.py`), which
 an acceptance run from an empty corpus does not see: it priced the corpus at nothing, and a
