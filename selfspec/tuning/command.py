@@ -107,16 +107,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--temperature: the sampled batches' temperature must be > 0 (greedy is always tuned)")
     if not Path(args.prompts).is_file():
         raise UsageError(f"--prompts {args.prompts}: no such file")
+    if args.corpus_prompts < 0:  # checked before the model loads
+        raise UsageError(f"--corpus-prompts {args.corpus_prompts}: expected >= 0")
     overhead = _overhead_flag(args.step_overhead_ms)
     torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     engine = HFEngine.from_pretrained(args.model, dtype=dtype)
     try:
-        _, loaded = load_prompts(args.prompts, engine.tokenizer, args.limit + max(args.corpus_prompts, 0))
+        _, loaded = load_prompts(args.prompts, engine.tokenizer, args.limit + args.corpus_prompts)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.corpus_prompts < 0:
-        raise UsageError(f"--corpus-prompts {args.corpus_prompts}: expected >= 0")
     prompts, corpus_prompts = loaded[: args.limit], loaded[args.limit :]
     samplings = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=args.temperature)}
     cands = {m: acceptance.candidates_for(m) for m in modes}
