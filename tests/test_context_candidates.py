@@ -200,13 +200,17 @@ def test_corpus_continues_other_documents_and_forgets_the_oldest():
     a, b = corpus.open(), corpus.open()
     corpus.append(a, [1, 2, 3, 4, 5, 6])
     corpus.append(b, [9, 2, 3, 7])
-    assert corpus.continuation((2, 3), 3) == [7]  # the latest occurrence: b's
-    assert corpus.continuation((2, 3), 3, exclude=b) == []  # the sequence's own is searched elsewhere
+    assert corpus.continuation((2, 3), 1) == [7]  # the latest occurrence: b's
+    # b is still being written: its one token is less than asked, the occurrence before it has more
+    assert corpus.continuation((2, 3), 3) == [4, 5, 6]
     assert corpus.continuation((1, 2, 3), 2) == [4, 5]  # a length first asked for: indexed on demand
-    corpus.append(b, [8, 8, 8])  # 13 tokens > 12: a is dropped, with its entries
-    assert corpus.tokens == 7 and corpus.length(a) == 0
+    c = corpus.open()
+    corpus.append(c, [2, 3])  # the latest (2, 3) is c's own, searched elsewhere: the one before, b's
+    assert corpus.continuation((2, 3), 2, exclude=c) == [7]  # two occurrences are kept, not a's too
+    corpus.append(b, [8, 8])  # 14 tokens > 12: a is dropped, with its entries
+    assert corpus.tokens == 8 and corpus.length(a) == 0
     assert corpus.continuation((1, 2, 3), 2) == [] and corpus.continuation((4, 5), 1) == []
-    assert corpus.continuation((2, 3), 2) == [7, 8]
+    assert corpus.continuation((2, 3), 3, exclude=c) == [7, 8, 8]
 
 
 def test_the_longest_match_picks_the_continuation_and_a_hash_collision_drafts_nothing(monkeypatch):
@@ -231,6 +235,24 @@ def test_the_longest_match_picks_the_continuation_and_a_hash_collision_drafts_no
     collide.append(collide.open(), [2, 3, 5, 8, 9, 6])  # (8, 9)'s entry replaced (2, 3)'s
     assert collide.continuation((8, 9), 1) == [6]
     assert collide.continuation((2, 3), 1) == []  # not (8, 9)'s continuation
+
+
+def test_a_continuation_that_ends_early_is_chained_on_and_a_lone_token_still_drafts():
+    """A match at the end of a document another request is still writing offers fewer tokens
+    than asked: the candidate goes on from the suffix of history + candidate. Where no 2-gram
+    recurs, the last token alone (length 1, as SGLang's NGRAM matches) still finds a candidate."""
+    from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES
+
+    corpus = SharedCorpus()
+    a, b = corpus.open(), corpus.open()
+    corpus.append(a, [50, 5, 6, 7])  # (5, 6) continues with 7, then a's text ends
+    corpus.append(b, [6, 7, 8, 9, 10])  # (6, 7) goes on here
+    seq = DecodeSequence([1, 2, 5, 6])
+    assert SuffixIndex((2,), corpus, seq).propose(seq.history, 4) == [7, 8, 9, 10]
+    assert SuffixIndex((2,), corpus, seq).propose(seq.history, 1) == [7]
+    lone = DecodeSequence([1, 2, 3, 9])
+    assert SuffixIndex((2,), corpus, lone).propose(lone.history, 2) == []
+    assert SuffixIndex(CONTEXT_MATCH_SIZES, corpus, lone).propose(lone.history, 2) == [10]
 
 
 def test_own_history_first_then_the_corpus_for_greedy_rows():

@@ -8,7 +8,10 @@ this is the same source for selfspec's context candidates. One `SharedCorpus` pe
 its committed tokens, appended as the sequence grows and kept after it finishes, the oldest
 documents dropped beyond `capacity` tokens. `continuation(suffix, k, exclude)` gives the k
 tokens that followed the latest occurrence of `suffix` in any document but `exclude` (the
-sequence's own, which its SuffixIndex already searched, with the lagged-copy rule for loops).
+sequence's own, which its SuffixIndex already searched, with the lagged-copy rule for loops);
+when that occurrence sits at the end of a document still being written (a request served
+alongside) and offers fewer than k tokens, the occurrence before it in another document is used
+if it offers more.
 
 Used for greedy rows only: the candidate is verified, so any source is lossless, but a seeded
 sampled request must not draw differently because of what other requests said before it.
@@ -29,9 +32,11 @@ class SharedCorpus:
         self.docs: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
         self.tokens = 0
         # per suffix length m: hash of the m-gram -> its latest occurrence, doc << 32 | index of
-        # its last token. Ints, not tuples: five lengths over 262,144 tokens would hold ~1.3M
+        # its last token. Ints, not tuples: six lengths over 262,144 tokens would hold ~1.6M
         # entries; a hash collision only yields a candidate the verify rejects
         self.latest: dict[int, dict[int, int]] = {}
+        # the same for the occurrence before the latest one, in another document
+        self.previous: dict[int, dict[int, int]] = {}
         self._next_doc = 0
 
     def open(self) -> int:
@@ -53,40 +58,53 @@ class SharedCorpus:
         start = len(text)
         text.extend(int(t) for t in tokens)
         self.tokens += len(tokens)
-        for m, table in self.latest.items():
-            self._index(table, m, doc, text, start)
+        for m in self.latest:
+            self._index(m, doc, text, start)
         while self.tokens > self.capacity and len(self.docs) > 1:
             self._drop_oldest()
 
     def continuation(self, suffix: tuple[int, ...], k: int, exclude: int | None = None) -> list[int]:
-        """Up to k tokens after the latest occurrence of `suffix` outside `exclude`; [] if none."""
+        """Up to k tokens after the latest occurrence of `suffix` outside `exclude` (or the one
+        before it, when that offers more of the k); [] if none."""
         m = len(suffix)
-        table = self.latest.get(m)
-        if table is None:  # first lookup of this length: index what is stored
-            table = self.latest[m] = {}
+        if m not in self.latest:  # first lookup of this length: index what is stored
+            self.latest[m], self.previous[m] = {}, {}
             for doc, text in self.docs.items():
-                self._index(table, m, doc, text, 0)
-        hit = table.get(hash(suffix))
+                self._index(m, doc, text, 0)
+        key = hash(suffix)
+        found = self._after(self.latest[m].get(key), suffix, k, exclude)
+        if len(found) < k:
+            earlier = self._after(self.previous[m].get(key), suffix, k, exclude)
+            if len(earlier) > len(found):
+                return earlier
+        return found
+
+    def _after(self, hit: int | None, suffix: tuple[int, ...], k: int, exclude: int | None) -> list[int]:
         if hit is None or hit >> 32 == exclude:
             return []
-        doc, end = hit >> 32, hit & _END_MASK
+        doc, end, m = hit >> 32, hit & _END_MASK, len(suffix)
         text = self.docs.get(doc)
         if text is None or end >= len(text) or tuple(text[end - m + 1 : end + 1]) != suffix:
             return []  # a hash collision
         return text[end + 1 : end + 1 + k]
 
-    @staticmethod
-    def _index(table: dict, m: int, doc: int, text: list[int], start: int) -> None:
+    def _index(self, m: int, doc: int, text: list[int], start: int) -> None:
+        latest, previous = self.latest[m], self.previous[m]
         base = doc << 32
         for end in range(max(start, m - 1), len(text)):
-            table[hash(tuple(text[end - m + 1 : end + 1]))] = base | end
+            key = hash(tuple(text[end - m + 1 : end + 1]))
+            hit = latest.get(key)
+            if hit is not None and hit >> 32 != doc:
+                previous[key] = hit
+            latest[key] = base | end
 
     def _drop_oldest(self) -> None:
         doc, text = self.docs.popitem(last=False)
         self.tokens -= len(text)
-        for m, table in self.latest.items():
-            for end in range(m - 1, len(text)):
-                key = hash(tuple(text[end - m + 1 : end + 1]))
-                hit = table.get(key)
-                if hit is not None and hit >> 32 == doc:
-                    del table[key]
+        for m in self.latest:
+            for table in (self.latest[m], self.previous[m]):
+                for end in range(m - 1, len(text)):
+                    key = hash(tuple(text[end - m + 1 : end + 1]))
+                    hit = table.get(key)
+                    if hit is not None and hit >> 32 == doc:
+                        del table[key]

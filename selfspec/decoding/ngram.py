@@ -25,7 +25,13 @@ from selfspec.decoding.step import (
 #: requests' text a 3-gram recurs in many places and its latest occurrence is often the wrong
 #: one; a longer match picks the continuation: ISD tokens per step +5-6% served-like (held-out
 #: prompts after 64 others, README "Longer context matches"), -1.5% on 16 prompts with no corpus.
-CONTEXT_MATCH_SIZES = (8, 6, 4, 3, 2)
+#: Length 1 (the last token alone, as SGLang's NGRAM also matches) drafts where nothing longer
+#: recurs: a third of the steps that drafted nothing gained a token or more (README, session j).
+CONTEXT_MATCH_SIZES = (8, 6, 4, 3, 2, 1)
+
+#: Lookups a candidate chains when a continuation ends early (the match sat at the end of a
+#: document another request is still writing): the next one starts from history + candidate.
+CHAIN_LOOKUPS = 4
 
 
 def match_sizes(sizes, option: str = "match_sizes") -> tuple[int, ...]:
@@ -81,8 +87,9 @@ class SuffixIndex:
     def propose(self, history: list[int], k: int, shared: bool = True) -> list[int]:
         """k tokens continuing the latest earlier occurrence of history's suffix (`lagged_copy`),
         else (when `shared`) those after its latest occurrence in another document of the
-        corpus, longest suffix first; [] when it never occurred. The sequence's text joins the
-        corpus either way."""
+        corpus, longest suffix first; a continuation that ends early is chained on from the
+        suffix of history + candidate (`CHAIN_LOOKUPS`); [] when it never occurred. The
+        sequence's text joins the corpus either way."""
         end = len(history) - 1  # the suffix ends at `end`; index m-grams ending before it
         for pos in range(self.indexed, end):
             for m in self.sizes:
@@ -94,13 +101,27 @@ class SuffixIndex:
             if have < end:
                 self.corpus.append(self.doc, history[have:end])
         corpus = self.corpus if shared else None
+        out = self._lookup(history, k, corpus)
+        for _ in range(CHAIN_LOOKUPS - 1):
+            if not out or len(out) >= k:
+                break
+            more = self._lookup(history + out, k - len(out), corpus)
+            if not more:
+                break
+            out += more
+        return out
+
+    def _lookup(self, context: list[int], k: int, corpus: SharedCorpus | None) -> list[int]:
+        """Up to k tokens after the longest suffix of `context` that occurred earlier: in the
+        indexed own history (ending before its last token), else in the corpus."""
+        end = len(context) - 1
         for m in self.sizes:
             if end - m + 1 < 0:
                 continue
-            suffix = tuple(history[end - m + 1 : end + 1])
+            suffix = tuple(context[end - m + 1 : end + 1])
             hit = self.last_end[m].get(suffix)
             if hit is not None:
-                return lagged_copy(history, end - hit, k)
+                return lagged_copy(context, end - hit, k)
             if corpus is not None:
                 found = corpus.continuation(suffix, k, exclude=self.doc)
                 if found:
