@@ -177,3 +177,36 @@ def test_the_committed_prompts_never_repeat_and_fill_the_readme_levels():
     texts = serve.load_prompt_texts(serve.Path(serve.__file__).resolve().parents[2] / "bench" / "prompts" / "heldout.jsonl")
     assert len(set(texts)) == len(texts)
     assert sum(serve.level_sizes([1, 4, 16, 32], 16)) <= len(texts)
+
+
+# ------------------------------------------------------------------ bench/context_lookup.py
+def _context_lookup():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "context_lookup.py"
+    spec = importlib.util.spec_from_file_location("context_lookup", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_context_lookup_replays_what_each_drafter_commits():
+    """A loop is copied by both drafters (up to their draft length + 1 a step); text that never
+    repeats gets one token a step from either; the second request of a level also finds the
+    first one's text (the corpus is shared, as a server's is)."""
+    cl = _context_lookup()
+    loop = ([10, 11, 12, 13], [5, 6, 7] * 40)
+    fresh = ([20, 21, 22, 23], list(range(100, 220)))
+    for drafter in (cl.NgramDrafter(), cl.SelfspecDrafter(8)):
+        (res,) = cl.replay(drafter, [loop], [1], [1])
+        assert res.tokens_per_step > 6, (drafter.name, res)
+        assert res.non_loop == 0 and res.requests == 1
+    (res,) = cl.replay(cl.SelfspecDrafter(8), [fresh], [1], [1])
+    assert res.tokens_per_step == 1.0 and res.non_loop == 1
+    (first, second) = cl.replay(cl.SelfspecDrafter(8), [fresh, fresh], [1, 1], [1, 1])
+    assert first.tokens_per_step == 1.0 and second.tokens_per_step > 6
+    assert cl.committed_by([[1, 2, 9], [1, 5]], [1, 2, 3, 4]) == 3  # the best path's 2 + 1
+    assert cl.committed_by([[1, 2, 3]], [1, 2]) == 2  # never past the output's end

@@ -1,0 +1,193 @@
+"""Context candidates without the model's cost: what a lookup drafter would commit, replayed on
+greedy AR outputs, beside SGLang's own NGRAM drafter.
+
+Greedy decoding is deterministic, so whether a context candidate is accepted depends on the text
+alone: a step commits the candidate's longest prefix that matches the AR output, plus one token.
+This replays the levels of `selfspec bench serve` (the same prompt windows per level, C requests
+in flight, each advancing by what its step commits, every request's text joining the corpus as
+it is written, the corpus kept from level to level as a server keeps it) for
+
+- `ngram`: SGLang's NGRAM drafter itself (its C++ corpus with the server's defaults: 12 draft
+  tokens counting the root, BFS breadth 1-10, trie depth 18; after each step it is given the
+  last 18 tokens, as `ngram_worker` does), a tree of candidates;
+- `selfspec+K`: selfspec's context candidate (`ngram.SuffixIndex` over the request's own text,
+  then the `corpus.SharedCorpus` of every request served), one chain of K tokens: what a mode's
+  `context_tokens=K` branch verifies beside the mode's own proposals.
+
+It reports tokens per step from the candidates alone (a mode's own proposals add to it), on all
+outputs and on those that do not end in a loop. It needs no accelerator and takes about a
+minute on 2 CPU cores (most of it generating the AR outputs):
+
+    python bench/context_lookup.py --model tiny-idlm --tokens 8,12,16 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from selfspec.benchmarks.repetition import is_repetition_loop
+from selfspec.benchmarks.serve import level_sizes
+from selfspec.decoding.corpus import SharedCorpus
+from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, SuffixIndex
+from selfspec.decoding.step import DecodeSequence
+
+#: SGLang's NGRAM defaults (server_args / ngram_worker): draft tokens incl. the root, trie depth
+NGRAM_DRAFT_TOKENS, NGRAM_DEPTH = 12, 18
+
+
+@dataclass
+class Request:
+    index: int
+    prompt: list[int]
+    output: list[int]  # the AR greedy output
+    committed: int = 1  # output tokens committed (the prefill gives the first)
+    steps: int = 0
+    state: object = None
+
+    def history(self) -> list[int]:
+        return self.prompt + self.output[: self.committed]
+
+
+class SelfspecDrafter:
+    def __init__(self, tokens: int):
+        self.tokens, self.corpus = tokens, SharedCorpus()
+        self.name = f"selfspec+{tokens}"
+
+    def start(self, req: Request) -> None:
+        req.state = SuffixIndex(CONTEXT_MATCH_SIZES, self.corpus, DecodeSequence(list(req.prompt)))
+
+    def paths(self, req: Request) -> list[list[int]]:
+        return [req.state.propose(req.history(), self.tokens)]
+
+    def stepped(self, reqs: list[Request]) -> None:
+        pass  # SuffixIndex adds the text to the corpus when it next proposes
+
+
+class NgramDrafter:
+    """SGLang's NGRAM corpus, driven as its worker drives it."""
+
+    name = "ngram"
+
+    def __init__(self):
+        from sglang.kernels.ops.speculative.ngram_corpus import get_ngram_corpus_cls
+
+        self.n = NGRAM_DRAFT_TOKENS
+        self.corpus = get_ngram_corpus_cls()(
+            capacity=10_000_000, max_trie_depth=NGRAM_DEPTH, min_bfs_breadth=1, max_bfs_breadth=10,
+            draft_token_num=self.n, match_type="BFS", external_sam_budget=0, external_corpus_max_tokens=10_000_000)
+        self.next_id = 0
+
+    def start(self, req: Request) -> None:
+        req.state, self.next_id = self.next_id, self.next_id + 1
+
+    def paths(self, req: Request) -> list[list[int]]:
+        self.corpus.synchronize()
+        hist = req.history()
+        ids, mask = self.corpus.match_stateful([req.state], [hist[-NGRAM_DEPTH:]], [len(hist)])
+        ids = np.asarray(ids).reshape(self.n)
+        mask = np.asarray(mask).reshape(self.n, self.n)  # row i: node i's ancestors and itself
+        leaves = [i for i in range(1, self.n) if not mask[i + 1 :, i].any() and not mask[1:i, i].any()]
+        return [[int(ids[c]) for c in range(1, self.n) if mask[leaf][c]] for leaf in leaves]
+
+    def stepped(self, reqs: list[Request]) -> None:
+        self.corpus.insert([r.history()[-NGRAM_DEPTH:] for r in reqs])
+
+
+def committed_by(paths: list[list[int]], truth: list[int]) -> int:
+    best = 0
+    for path in paths:
+        a = 0
+        while a < len(path) and a < len(truth) and path[a] == truth[a]:
+            a += 1
+        best = max(best, a)
+    return min(best + 1, len(truth))
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    tokens_per_step: float
+    non_loop_tokens_per_step: float
+    non_loop: int
+    requests: int
+
+
+def replay(drafter, data: list[tuple[list[int], list[int]]], levels: list[int], sizes: list[int]) -> list[LevelResult]:
+    results, start = [], 0
+    for c, size in zip(levels, sizes):
+        queue = [(start + i) % len(data) for i in range(size)]
+        start += size
+        active: list[Request] = []
+        done: list[Request] = []
+        while queue or active:
+            while queue and len(active) < c:
+                i = queue.pop(0)
+                req = Request(i, *data[i])
+                drafter.start(req)
+                active.append(req)
+            for req in active:
+                req.committed += committed_by(drafter.paths(req), req.output[req.committed :])
+                req.steps += 1
+            drafter.stepped(active)
+            done += [r for r in active if r.committed >= len(r.output)]
+            active = [r for r in active if r.committed < len(r.output)]
+        nl = [r for r in done if not is_repetition_loop(r.output)]
+        rate = lambda rs: sum(len(r.output) - 1 for r in rs) / max(1, sum(r.steps for r in rs))
+        results.append(LevelResult(c, round(rate(done), 3), round(rate(nl), 3), len(nl), len(done)))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-idlm", help="an embedded model name or a model dir (default %(default)s)")
+    p.add_argument("--prompts", default="bench/prompts/heldout.jsonl", help="JSON lines {\"prompt\": ...}")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests per level, as bench serve (default 32)")
+    p.add_argument("--concurrency", default="1,4,16,32", help="levels, as bench serve (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128, help="AR output tokens per request (default 128)")
+    p.add_argument("--tokens", default="8,12,16", help="selfspec candidate lengths K to replay (default %(default)s)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    try:
+        levels = [int(x) for x in args.concurrency.split(",")]
+        lengths = [int(x) for x in args.tokens.split(",")]
+    except ValueError:
+        p.error("--concurrency and --tokens take comma-separated integers, e.g. 1,4,16")
+    if not Path(args.prompts).is_file():
+        p.error(f"--prompts {args.prompts}: no such file")
+    if min(levels + lengths + [args.num_prompts, args.max_tokens]) < 1:
+        p.error("--concurrency, --tokens, --num-prompts and --max-tokens must be >= 1")
+
+    import torch
+
+    from selfspec.benchmarks.offline import load_prompts
+    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.engines.hf import HFEngine
+
+    sizes = level_sizes(levels, args.num_prompts)
+    engine = HFEngine.from_pretrained(args.model, dtype=torch.float32)
+    _, prompts = load_prompts(args.prompts, engine.tokenizer, sum(sizes))
+    print(f"[context_lookup] greedy AR outputs of {len(prompts)} prompts x {args.max_tokens} tokens", file=sys.stderr)
+    outs = engine.generate(prompts, args.max_tokens, SamplingParams(), stop_token_ids=[], batch_size=32)
+    data = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outs)]
+
+    report = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens, "levels": levels,
+              "level_sizes": sizes, "drafters": {}}
+    print(f"{'drafter':>12} " + " ".join(f"{'C=' + str(c):>13}" for c in levels) + "   (tokens/step: all / non-looping)")
+    for drafter in [NgramDrafter()] + [SelfspecDrafter(k) for k in lengths]:
+        res = replay(drafter, data, levels, sizes)
+        report["drafters"][drafter.name] = [r.__dict__ for r in res]
+        print(f"{drafter.name:>12} " + " ".join(f"{r.tokens_per_step:>6.2f} /{r.non_loop_tokens_per_step:>5.2f}" for r in res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
