@@ -189,3 +189,18 @@ def test_relaxed_isd_distribution_and_tv(small, tau):
     assert tv_exact > 0.01  # tau really changes the distribution on this model
     _, p_ar, _ = chi_square_pvalue(counts, exact)
     assert p_ar < ALPHA  # and the samples show it
+
+
+def test_an_unfiltered_row_keeps_its_bits_beside_a_filtered_one():
+    """A row without top-k / top-p / min-p gets the same probabilities, bit for bit, alone and in
+    a batch with a filtered row: a seeded sampled request must draw the same in any batch (the
+    SJD mixed burst of tests/test_sglang_sjd.py diverged here before)."""
+    from selfspec.decoding.sampling import logits_to_probs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 200, generator=g) * 3
+    alone = logits_to_probs(logits[:1], 0.9)
+    mixed = logits_to_probs(logits, torch.tensor([0.9, 0.7]), torch.tensor([0, 20]), torch.tensor([1.0, 0.9]),
+                            torch.tensor([0.0, 0.05]))
+    assert torch.equal(mixed[0], alone[0])
+    assert (mixed[1] == 0).any() and torch.allclose(mixed[1].sum(-1), torch.ones(3))

@@ -132,8 +132,12 @@ def logits_to_probs(
             keep = keep_m if keep is None else keep & keep_m
 
     if keep is not None:
+        # renormalise only the rows a filter cut: a row that keeps everything must come out with
+        # the bits it has alone, or a seeded sampled request draws differently when a filtered
+        # request shares its batch (tests/test_decoding_sampling.py, the SJD mixed burst)
+        cut = ~keep.all(-1, keepdim=True)
         probs = torch.where(keep, probs, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = torch.where(cut, probs / probs.sum(-1, keepdim=True), probs)
 
     if greedy is not None and bool(greedy.any()):
         one_hot = torch.nn.functional.one_hot(first_argmax(logits), vocab).to(probs.dtype)
