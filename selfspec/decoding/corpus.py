@@ -102,9 +102,10 @@ class SharedCorpus:
         doc, text = self.docs.popitem(last=False)
         self.tokens -= len(text)
         for m in self.latest:
-            for table in (self.latest[m], self.previous[m]):
-                for end in range(m - 1, len(text)):
-                    key = hash(tuple(text[end - m + 1 : end + 1]))
+            tables = (self.latest[m], self.previous[m])
+            for end in range(m - 1, len(text)):
+                key = hash(tuple(text[end - m + 1 : end + 1]))
+                for table in tables:
                     hit = table.get(key)
                     if hit is not None and hit >> 32 == doc:
                         del table[key]
