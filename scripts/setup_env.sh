@@ -30,13 +30,16 @@ if [ -e .venv ] && [ ! -L .venv ]; then
   echo "setup: .venv is a directory, not the cached venv; move it away to use the cache" >&2
   exit 1
 fi
-# The image-side extras (requirements/images.txt): a small --no-deps install on top of the
-# venv, stamped by its own hash so that adding them does not rebuild the whole venv.
-extras_hash=$(sha256sum requirements/images.txt | cut -c1-16)
-if [ ! -f "$venv/.images-$extras_hash" ]; then
-  "$venv/bin/pip" install --quiet --no-deps -r requirements/images.txt
-  touch "$venv/.images-$extras_hash"
-fi
+# Small extras on top of the venv, each stamped by its own hash so that adding one does not
+# rebuild the whole venv: the image side (requirements/images.txt) and the test runner's
+# (requirements/test.txt).
+for extras in requirements/images.txt requirements/test.txt; do
+  extras_hash=$(sha256sum "$extras" | cut -c1-16)
+  if [ ! -f "$venv/.extras-$extras_hash" ]; then
+    "$venv/bin/pip" install --quiet --no-deps -r "$extras"
+    touch "$venv/.extras-$extras_hash"
+  fi
+done
 
 ln -sfn "$venv" .venv
 .venv/bin/pip install --quiet --no-deps --no-build-isolation -e .

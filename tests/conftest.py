@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,47 @@ import pytest
 from sglang_fixtures import ar_reference, heldout_ids, tokenizer  # noqa: F401,E402  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------ two workers (make test)
+#: Tests that run alone, in one serial group on one pytest-xdist worker, in collection order:
+#: everything that starts SGLang servers or several training processes (the machine's rule: one
+#: server / training at a time). The other worker takes the remaining modules, each module as one
+#: unit so that its module-scoped fixtures (models, engines, trained micro models) are built once.
+SERIAL_MARKERS = ("server", "multiprocess")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    serial = {id(it) for it in items if any(it.get_closest_marker(m) for m in SERIAL_MARKERS)
+              or "ar_reference" in getattr(it, "fixturenames", ())}
+    for it in items:
+        it.add_marker(pytest.mark.xdist_group("serial" if id(it) in serial else it.nodeid.split("::")[0]))
+    # the serial group is the longest unit: first in line, so the other worker never waits for it
+    items.sort(key=lambda it: id(it) not in serial)  # stable: collection order within each part
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """On the controller: every worker's node ids must carry their group, or nothing is grouped."""
+    if ids and node.config.getvalue("dist") == "loadgroup" and "@" not in ids[0]:
+        pytest.exit("pytest-xdist's --dist loadgroup did not group the tests (this pytest version ignores "
+                    "its node id suffix: pytest-dev/pytest-xdist#1386), so servers would start side by "
+                    "side. Run `make setup` (it pins pytest, requirements/test.txt) or "
+                    "`make test TEST_WORKERS=0`.", returncode=4)
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one core per worker: two workers with two OpenMP threads each would spend their
+        # time waiting for each other at every op on this 2-core machine
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 HELDOUT_PROMPTS = REPO / "bench" / "prompts" / "heldout.jsonl"
 
 

@@ -7,6 +7,7 @@ server (greedy and sampled); ISD and JACOBI run their own suites on the default 
 
 from __future__ import annotations
 
+import pytest
 from sglang_fixtures import (
     burst,
     check_context_limit,
@@ -17,6 +18,8 @@ from sglang_fixtures import (
     native_generate,
     wait_tokens_zero,
 )
+
+pytestmark = pytest.mark.server
 
 server = mode_server_fixture("sjd-retract", ["--speculative-algorithm", "SJD", "--selfspec-options",
                                              "window=4,history_offset=8,context_tokens=4"],

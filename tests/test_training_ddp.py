@@ -24,6 +24,8 @@ import torch
 
 from selfspec.serving import free_port
 
+pytestmark = pytest.mark.multiprocess
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "accelerate_configs" / "cpu-ddp.yaml"
 WORKER = Path(__file__).resolve().parent / "ddp_train.py"
