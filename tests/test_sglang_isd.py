@@ -32,8 +32,11 @@ from sglang_fixtures import (
 pytestmark = pytest.mark.server
 
 ISD_OPTIONS = {"stride": 3, "context_tokens": 4, "context_corpus": False}
+# the aggregate log line and gauges every 2 steps (default 40): the metrics test sees its own steps
+# flushed whichever test ran before it
 server = mode_server_fixture("isd", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3", "--enable-metrics",
-                                     "--selfspec-options", "context_tokens=4,context_corpus=false"], default_path=True)
+                                     "--selfspec-options", "context_tokens=4,context_corpus=false"],
+                             env={"SELFSPEC_LOG_EVERY": "2"}, default_path=True)
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +233,21 @@ def test_aggregate_tpf_in_logs_metrics_and_server_info(server, heldout_ids):
     assert "sglang:spec_accept_length" in text
     assert 'selfspec:tokens_per_forward{mode="ISD"}' in text
     assert "[selfspec] ISD: accepted length" in server.log_file.read_text()
+
+
+def test_a_request_finished_by_its_prefill_is_counted_at_once(server, heldout_ids):
+    """SGLang's finish hook runs for requests a decode step finishes, not for one its prefill
+    finishes (max_new_tokens=1); a metrics read in between must still count it (a fresh server's
+    start-up probe did: a later burst read one request too many)."""
+    from sglang_fixtures import internal_state, wait_tokens_zero
+
+    before = internal_state(server.base_url)["selfspec"]
+    out = native_generate(server.base_url, heldout_ids[0], max_new_tokens=1)
+    assert wait_tokens_zero(server.base_url) == 0
+    after = internal_state(server.base_url)["selfspec"]
+    assert out["meta_info"]["completion_tokens"] == 1
+    assert (after["requests"] - before["requests"], after["forwards"] - before["forwards"],
+            after["committed_tokens"] - before["committed_tokens"]) == (1, 1, 1)
 
 
 def test_isd_penalties_bias_min_tokens_equal_ar(server, heldout_ids, ar_reference):

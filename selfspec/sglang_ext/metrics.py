@@ -153,6 +153,7 @@ def _after_add_speculative(result, self, state, *args, **kwargs):
     worker = getattr(scheduler, "draft_worker", None)
     stats = getattr(worker, "stats", None)
     if isinstance(stats, AggregateStats):
+        worker.collect_finished()
         state["selfspec"] = stats.summary()
         check = getattr(getattr(worker, "mode", None), "check", None)
         if check is not None:  # a width plan's online check: per batch-size class, what runs

@@ -207,7 +207,11 @@ class SelfSpecWorker(BaseSpecWorker):
             kept = len(getattr(st.req, "output_ids_through_stop", st.req.output_ids)) if st.req is not None else None
             self.stats.finish(st.metrics, kept)
 
-    def _gc_states(self) -> None:
+    def collect_finished(self) -> None:
+        """Count the requests that finished without SGLang's finish hook: it runs for requests
+        finished by a decode step, not for those a prefill finishes (max_new_tokens=1, a stop at
+        the first token). Called every step and before the metrics are read, so a read never
+        misses a finished request."""
         for rid in [rid for rid, st in self.states.items() if st.req is not None and st.req.finished()]:
             self.note_request_finished(rid=rid, natural_stop=False)
 
@@ -363,7 +367,7 @@ class SelfSpecWorker(BaseSpecWorker):
                         (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, between)
         self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0, W)
         self._last_step = (t0, outcomes)
-        self._gc_states()
+        self.collect_finished()
         out = _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, self.width)
         self._last_end = time.perf_counter()
         return out
