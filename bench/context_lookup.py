@@ -12,10 +12,12 @@ it is written, the corpus kept from level to level as a server keeps it) for
   last 18 tokens, as `ngram_worker` does), a tree of candidates;
 - `selfspec+K`: selfspec's context candidate (`ngram.SuffixIndex` over the request's own text,
   then the `corpus.SharedCorpus` of every request served), one chain of K tokens: what a mode's
-  `context_tokens=K` branch verifies beside the mode's own proposals.
+  `context_tokens=K` branch verifies beside the mode's own proposals; `selfspec+Kc` the same
+  with weak matches cut short (`ngram.WEAK_MATCH_CAPS`, the modes' default `context_caps`).
 
 It reports tokens per step from the candidates alone (a mode's own proposals add to it), on all
-outputs and on those that do not end in a loop. It needs no accelerator and takes about a
+outputs and on those that do not end in a loop, and the query tokens a step verifies (candidate
++ root; NGRAM always 12): where each query token costs, tokens per query token is what pays. It needs no accelerator and takes about a
 minute on 2 CPU cores (most of it generating the AR outputs):
 
     python bench/context_lookup.py --model tiny-idlm --tokens 8,12,16 [--json out.json]
@@ -34,7 +36,7 @@ import numpy as np
 from selfspec.benchmarks.repetition import is_repetition_loop
 from selfspec.benchmarks.serve import level_sizes
 from selfspec.decoding.corpus import SharedCorpus
-from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, SuffixIndex
+from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, WEAK_MATCH_CAPS, SuffixIndex
 from selfspec.decoding.step import DecodeSequence
 
 #: SGLang's NGRAM defaults (server_args / ngram_worker): draft tokens incl. the root, trie depth
@@ -48,6 +50,7 @@ class Request:
     output: list[int]  # the AR greedy output
     committed: int = 1  # output tokens committed (the prefill gives the first)
     steps: int = 0
+    query_tokens: int = 0  # what its steps verified: the candidate tokens and the root
     state: object = None
 
     def history(self) -> list[int]:
@@ -55,15 +58,18 @@ class Request:
 
 
 class SelfspecDrafter:
-    def __init__(self, tokens: int):
-        self.tokens, self.corpus = tokens, SharedCorpus()
-        self.name = f"selfspec+{tokens}"
+    def __init__(self, tokens: int, capped: bool = False):
+        self.tokens, self.corpus, self.capped = tokens, SharedCorpus(), capped
+        self.name = f"selfspec+{tokens}" + ("c" if capped else "")
 
     def start(self, req: Request) -> None:
-        req.state = SuffixIndex(CONTEXT_MATCH_SIZES, self.corpus, DecodeSequence(list(req.prompt)))
+        req.state = SuffixIndex(CONTEXT_MATCH_SIZES, self.corpus, DecodeSequence(list(req.prompt)),
+                                WEAK_MATCH_CAPS if self.capped else None)
 
     def paths(self, req: Request) -> list[list[int]]:
-        return [req.state.propose(req.history(), self.tokens)]
+        path = req.state.propose(req.history(), self.tokens)
+        req.query_tokens += len(path) + 1
+        return [path]
 
     def stepped(self, reqs: list[Request]) -> None:
         pass  # SuffixIndex adds the text to the corpus when it next proposes
@@ -87,6 +93,7 @@ class NgramDrafter:
         req.state, self.next_id = self.next_id, self.next_id + 1
 
     def paths(self, req: Request) -> list[list[int]]:
+        req.query_tokens += self.n
         self.corpus.synchronize()
         hist = req.history()
         ids, mask = self.corpus.match_stateful([req.state], [hist[-NGRAM_DEPTH:]], [len(hist)])
@@ -114,6 +121,7 @@ class LevelResult:
     concurrency: int
     tokens_per_step: float
     non_loop_tokens_per_step: float
+    query_tokens_per_step: float
     non_loop: int
     requests: int
 
@@ -139,7 +147,8 @@ def replay(drafter, data: list[tuple[list[int], list[int]]], levels: list[int], 
             active = [r for r in active if r.committed < len(r.output)]
         nl = [r for r in done if not is_repetition_loop(r.output)]
         rate = lambda rs: sum(len(r.output) - 1 for r in rs) / max(1, sum(r.steps for r in rs))
-        results.append(LevelResult(c, round(rate(done), 3), round(rate(nl), 3), len(nl), len(done)))
+        query = sum(r.query_tokens for r in done) / max(1, sum(r.steps for r in done))
+        results.append(LevelResult(c, round(rate(done), 3), round(rate(nl), 3), round(query, 2), len(nl), len(done)))
     return results
 
 
@@ -178,11 +187,14 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens, "levels": levels,
               "level_sizes": sizes, "drafters": {}}
-    print(f"{'drafter':>12} " + " ".join(f"{'C=' + str(c):>13}" for c in levels) + "   (tokens/step: all / non-looping)")
-    for drafter in [NgramDrafter()] + [SelfspecDrafter(k) for k in lengths]:
+    print(f"{'drafter':>14} " + " ".join(f"{'C=' + str(c):>20}" for c in levels)
+          + "   (tokens/step: all / non-looping [query tokens/step])")
+    drafters = [NgramDrafter()] + [SelfspecDrafter(k, capped) for k in lengths for capped in (False, True)]
+    for drafter in drafters:
         res = replay(drafter, data, levels, sizes)
         report["drafters"][drafter.name] = [r.__dict__ for r in res]
-        print(f"{drafter.name:>12} " + " ".join(f"{r.tokens_per_step:>6.2f} /{r.non_loop_tokens_per_step:>5.2f}" for r in res))
+        print(f"{drafter.name:>14} " + " ".join(f"{r.tokens_per_step:>6.2f} /{r.non_loop_tokens_per_step:>5.2f} "
+                                               f"[{r.query_tokens_per_step:>4.1f}]" for r in res))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")

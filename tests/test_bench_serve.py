@@ -204,8 +204,10 @@ def test_context_lookup_replays_what_each_drafter_commits():
         (res,) = cl.replay(drafter, [loop], [1], [1])
         assert res.tokens_per_step > 6, (drafter.name, res)
         assert res.non_loop == 0 and res.requests == 1
+        # NGRAM always verifies its 12 tokens; ours the candidate it found + the root (none at first)
+        assert res.query_tokens_per_step == 12 if drafter.name == "ngram" else 1 < res.query_tokens_per_step <= 9
     (res,) = cl.replay(cl.SelfspecDrafter(8), [fresh], [1], [1])
-    assert res.tokens_per_step == 1.0 and res.non_loop == 1
+    assert res.tokens_per_step == 1.0 and res.non_loop == 1 and res.query_tokens_per_step == 1.0
     (first, second) = cl.replay(cl.SelfspecDrafter(8), [fresh, fresh], [1, 1], [1, 1])
     assert first.tokens_per_step == 1.0 and second.tokens_per_step > 6
     assert cl.committed_by([[1, 2, 9], [1, 5]], [1, 2, 3, 4]) == 3  # the best path's 2 + 1

@@ -56,6 +56,32 @@ def test_verify_attention_matches_naive_reference(full):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+def test_ragged_verify_attention_equals_the_padded_one_on_real_rows():
+    """A ragged verify forward carries each request's real tokens only; the attention pads them
+    into the [bs, W] query block and takes them back: the real rows' outputs are the padded
+    forward's, bit for bit, and the logits come back padded with zero rows."""
+    from selfspec.sglang_ext.attention import RaggedVerify, plan_verify, verify_attention
+    from selfspec.sglang_ext.worker import build_custom_mask
+
+    torch.manual_seed(1)
+    hq, hk, d, W = 4, 2, 8, 4
+    L, widths = [5, 2, 7], [4, 1, 3]
+    k_cache, v_cache = torch.randn(64, hk, d), torch.randn(64, hk, d)
+    req_to_token = torch.arange(4 * 16, dtype=torch.int32).view(4, 16)
+    local = torch.ones(3, W, W, dtype=torch.bool).tril()
+    plan = plan_verify(req_to_token, torch.tensor([1, 2, 3]), L, W, build_custom_mask(local, L, False))
+    q = torch.randn(3 * W, hq, d)
+    padded = verify_attention(q, k_cache, v_cache, plan, 0.5, torch.empty_like(q))
+    ragged = RaggedVerify.of(widths, W, "cpu")
+    assert ragged.rows.tolist() == [0, 1, 2, 3, 4, 8, 9, 10]
+    real = ragged.take(q)
+    out = verify_attention(ragged.pad(real), k_cache, v_cache, plan, 0.5, torch.empty_like(q))
+    assert torch.equal(ragged.take(out), ragged.take(padded))
+    logits = ragged.pad(torch.randn(len(real), 11))
+    assert logits.shape == (3 * W, 11) and not logits[[5, 6, 7, 11]].any()
+    assert RaggedVerify.of([W, W, W], W, "cpu") is None  # full rows: the padded forward as it was
+
+
 def test_full_mask_layout_matches_sglang_ngram_layout():
     from selfspec.sglang_ext.worker import build_custom_mask
 

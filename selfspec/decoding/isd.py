@@ -61,6 +61,9 @@ class ISDConfig:
     context_tail: bool = True  # MASK proposals after the candidate too (used when it wins whole)
     # context candidates also from the other sequences served (`corpus.py`), for greedy rows
     context_corpus: bool = True
+    # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`): what a step whose cost is per
+    # query token (a ragged CPU forward) wants; off where steps are padded to a fixed width
+    context_caps: bool = True
     # sampled decoding: proposals "sample"d from the MASK rows' distribution q and verified
     # against that q (accepted with probability sum min(p, q)), or "argmax" proposals (the I-DLM
     # paper's). Greedy rows propose by argmax either way; sampling measured higher acceptance
@@ -142,7 +145,7 @@ class ISDMode(Mode):
     def start(self, seq: DecodeSequence) -> None:
         cfg = self.config
         seq.state = ISDState(index=context_index(seq, cfg.context_tokens, cfg.context_match_sizes, self.corpus,
-                                                 cfg.context_corpus))
+                                                 cfg.context_corpus, cfg.context_caps))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         cfg = self.config

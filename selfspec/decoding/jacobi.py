@@ -88,6 +88,9 @@ class JacobiConfig:
     context_match_sizes: tuple[int, ...] = CONTEXT_MATCH_SIZES  # suffix lengths tried, longest first
     # context candidates also from the other sequences served (`corpus.py`), for greedy rows
     context_corpus: bool = True
+    # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`): what a step whose cost is per
+    # query token (a ragged CPU forward) wants; off where steps are padded to a fixed width
+    context_caps: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -241,7 +244,7 @@ class JacobiMode(Mode):
         seq.state = JacobiState(Block(self._fresh(seq.history, cfg.block_size - 1)), [],
                                 NgramPool(cfg.ngram_size, cfg.pool_size),
                                 context_index(seq, cfg.context_tokens, cfg.context_match_sizes, self.corpus,
-                                              cfg.context_corpus))
+                                              cfg.context_corpus, cfg.context_caps))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         out = []

@@ -30,6 +30,18 @@ from selfspec.decoding.step import (
 #: (README, session j).
 CONTEXT_MATCH_SIZES = (8, 6, 4, 3, 2, 1)
 
+#: The longest candidate a weak first match drafts, by (the match is in the sequence's own text,
+#: its suffix length); matches not listed draft the full length. Measured on the held-out
+#: prompts (`bench/context_lookup.py`, tokens accepted per step of a 16-token candidate at
+#: C=16): own text 1.7 / 3.1 at suffix 1 / 2, other requests' text 0.6 / 1.3 / 1.6 / 2.6 / 3.5
+#: at 1 / 2 / 3 / 4 / 6, against 8-13 for an 8-token match. Where each query token costs (a CPU
+#: step over a batch: the served forward carries each request's real tokens only), the tail
+#: of a weak candidate costs more than the tokens it adds.
+WEAK_MATCH_CAPS: dict[tuple[bool, int], int] = {
+    (True, 1): 6, (True, 2): 8,
+    (False, 1): 2, (False, 2): 4, (False, 3): 6, (False, 4): 8, (False, 6): 12,
+}
+
 #: Lookups a candidate chains when a continuation ends early (the match sat at the end of a
 #: document another request is still writing): the next one starts from history + candidate.
 CHAIN_LOOKUPS = 4
@@ -72,8 +84,10 @@ class SuffixIndex:
     `SharedCorpus`, also the sequence's document there (`corpus.py`), searched after its own
     history at each suffix length."""
 
-    def __init__(self, sizes: tuple[int, ...], corpus: SharedCorpus | None = None, seq: DecodeSequence | None = None):
+    def __init__(self, sizes: tuple[int, ...], corpus: SharedCorpus | None = None, seq: DecodeSequence | None = None,
+                 weak_caps: dict[tuple[bool, int], int] | None = None):
         self.sizes = sizes
+        self.weak_caps = weak_caps or {}
         self.last_end: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in sizes}
         self.indexed = 0  # m-grams ending before this position are indexed
         self.corpus = corpus
@@ -102,19 +116,24 @@ class SuffixIndex:
             if have < end:
                 self.corpus.append(self.doc, history[have:end])
         corpus = self.corpus if shared else None
-        out = self._lookup(history, k, corpus)
+        out, match = self._lookup(history, k, corpus)
+        if match is not None:  # a weak match drafts a short candidate (`WEAK_MATCH_CAPS`)
+            k = min(k, self.weak_caps.get(match, k))
+            out = out[:k]
         for _ in range(CHAIN_LOOKUPS - 1):
             if not out or len(out) >= k:
                 break
-            more = self._lookup(history + out, k - len(out), corpus)
+            more, _ = self._lookup(history + out, k - len(out), corpus)
             if not more:
                 break
             out += more
         return out
 
-    def _lookup(self, context: list[int], k: int, corpus: SharedCorpus | None) -> list[int]:
+    def _lookup(self, context: list[int], k: int, corpus: SharedCorpus | None
+                ) -> tuple[list[int], tuple[bool, int] | None]:
         """Up to k tokens after the longest suffix of `context` that occurred earlier: in the
-        indexed own history (ending before its last token), else in the corpus."""
+        indexed own history (ending before its last token), else in the corpus; and the match
+        (in the own history, suffix length), None when there was none."""
         end = len(context) - 1
         for m in self.sizes:
             if end - m + 1 < 0:
@@ -122,20 +141,21 @@ class SuffixIndex:
             suffix = tuple(context[end - m + 1 : end + 1])
             hit = self.last_end[m].get(suffix)
             if hit is not None:
-                return lagged_copy(context, end - hit, k)
+                return lagged_copy(context, end - hit, k), (True, m)
             if corpus is not None:
                 found = corpus.continuation(suffix, k, exclude=self.doc)
                 if found:
-                    return found
-        return []
+                    return found, (False, m)
+        return [], None
 
 
 def context_index(seq: DecodeSequence, tokens: int, sizes: tuple[int, ...], corpus: SharedCorpus | None,
-                  use_corpus: bool) -> SuffixIndex | None:
-    """A mode's context lookup for `seq` (None when its candidates are off: `tokens` == 0)."""
+                  use_corpus: bool, weak_caps: bool = True) -> SuffixIndex | None:
+    """A mode's context lookup for `seq` (None when its candidates are off: `tokens` == 0);
+    `weak_caps`: weak matches draft short candidates (`WEAK_MATCH_CAPS`)."""
     if not tokens:
         return None
-    return SuffixIndex(sizes, corpus if use_corpus else None, seq)
+    return SuffixIndex(sizes, corpus if use_corpus else None, seq, WEAK_MATCH_CAPS if weak_caps else None)
 
 
 def propose_ngram(history: list[int], k: int, sizes: tuple[int, ...] = (3, 2)) -> list[int]:

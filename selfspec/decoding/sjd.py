@@ -52,6 +52,9 @@ class SJDConfig:
     context_match_sizes: tuple[int, ...] = CONTEXT_MATCH_SIZES  # suffix lengths tried, longest first
     # context candidates also from the other sequences served (`corpus.py`), for greedy rows
     context_corpus: bool = True
+    # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`): what a step whose cost is per
+    # query token (a ragged CPU forward) wants; off where steps are padded to a fixed width
+    context_caps: bool = True
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -115,7 +118,7 @@ class SJDMode(Mode):
         c = self.config
         seq.state = SJDState(history_drafts(seq.history, c.window, c.history_offset), None, [False] * c.window,
                              context_index(seq, c.context_tokens, c.context_match_sizes, self.corpus,
-                                           c.context_corpus))
+                                           c.context_corpus, c.context_caps))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         out = []

@@ -255,7 +255,7 @@ class CandidateWatch:
         self.mode = mode
         self.tokens = cfg.context_tokens
         self.index = context_index(seq, cfg.context_tokens, cfg.context_match_sizes, mode.corpus,
-                                   cfg.context_corpus)
+                                   cfg.context_corpus, cfg.context_caps)
         self.start = 0  # history length when the candidate was proposed
         self.candidate: list[int] = []
 

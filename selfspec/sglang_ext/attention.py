@@ -21,6 +21,35 @@ from torch.nn.functional import scaled_dot_product_attention
 
 
 @dataclass
+class RaggedVerify:
+    """A verify forward that carries only each request's real step tokens: request r's first
+    `widths[r]` of the W columns, concatenated. The model's projections and LM head cost per token
+    on CPU, so a step whose requests draft less than W pays for what they draft; the verify
+    attention alone works on the padded [bs, W] block (`padded_rows`), its padding rows unused."""
+
+    rows: torch.Tensor  # [sum(widths)] row of each real token in the padded [bs * W] block
+    padded_rows: int  # bs * W
+
+    @classmethod
+    def of(cls, widths: list[int], width: int, device) -> "RaggedVerify | None":
+        """None when every request fills the width (nothing to leave out)."""
+        if min(widths) >= width:
+            return None
+        rows = [r * width + j for r, w in enumerate(widths) for j in range(w)]
+        return cls(torch.tensor(rows, dtype=torch.long, device=device), len(widths) * width)
+
+    def take(self, padded: torch.Tensor) -> torch.Tensor:
+        """The real rows of a per-token tensor of the padded block."""
+        return padded[self.rows]
+
+    def pad(self, real: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor of the real rows back in the padded block; padding rows are 0."""
+        out = real.new_zeros((self.padded_rows, *real.shape[1:]))
+        out[self.rows] = real
+        return out
+
+
+@dataclass
 class VerifyPlan:
     """What every layer of one verify forward shares: which KV slots each request reads and the
     mask over them. Built once per forward (it was a dozen small ops per layer, a third of a
@@ -112,14 +141,20 @@ def _forward_extend_around(original, self, q, k, v, layer, forward_batch, save_k
         self.token_to_kv_pool.set_kv_buffer(
             layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
     q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-    o = q.new_empty((q_.shape[0], layer.tp_q_head_num, layer.v_head_dim))
     spec = forward_batch.spec_info
+    ragged: RaggedVerify | None = getattr(spec, "selfspec_ragged", None)
+    real_tokens = q_.shape[0]
+    if ragged is not None:  # the real rows into the padded query block; padding rows stay unused
+        q_ = ragged.pad(q_)
+    o = q.new_empty((q_.shape[0], layer.tp_q_head_num, layer.v_head_dim))
     width = int(getattr(spec, "draft_token_num", 0) or getattr(spec, "num_tokens_per_req", 0))
     verify_attention(
         q_, self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.token_to_kv_pool.get_value_buffer(layer.layer_id),
         _forward_plan(forward_batch, self.req_to_token_pool.req_to_token, width), layer.scaling, o,
     )
-    return o.view(q_.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+    if ragged is not None:
+        o = ragged.take(o)
+    return o.reshape(real_tokens, layer.tp_q_head_num * layer.v_head_dim)
 
 
 def install() -> None:

@@ -15,7 +15,9 @@ keep; this file only maps that onto SGLang:
   and the step indices whose KV joins the prefix (`keep`); kept KV is moved to the front of the
   window (a no-op for causal chains), so `[seq_len, seq_len + len(emit))` is the new committed
   run and everything past it (MASK, rejected, losing branches, padding) is overwritten next
-  step or freed with the request.
+  step or freed with the request. On CPU the forward is ragged: only each request's real
+  tokens go through the model (`RaggedVerify`); the padding to W exists in the attention's
+  query block alone.
 
 Per-request state (history, mode state, seed counter, metrics) lives here, keyed by request id,
 so continuous batching needs nothing from SGLang but the batch's request list: requests join,
@@ -51,6 +53,7 @@ from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, coll
 from selfspec.engines.kernel_choice import verify_ops
 from selfspec.kernels.lora_gate import gated
 from selfspec.sglang_ext import config as cfgmod
+from selfspec.sglang_ext.attention import RaggedVerify
 from selfspec.sglang_ext import lora as loramod
 from selfspec.sglang_ext.grammar import request_constraint
 from selfspec.sglang_ext.logprobs import write_decode_logprobs, write_prefill_logprobs
@@ -61,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 _TOP_K_ALL = 1 << 30
 _DEBUG_TIMING = os.environ.get("SELFSPEC_DEBUG_TIMING") == "1"
+# A/B switch for benchmarks: every request padded to the step width through the whole forward
+_PADDED_VERIFY = os.environ.get("SELFSPEC_PADDED_VERIFY") == "1"
 #: Use the GPU backends' full mask layout on CPU too (exercises that layout in the CPU tests).
 _FORCE_FULL_MASK = os.environ.get("SELFSPEC_FULL_MASK") == "1"
 
@@ -175,6 +180,8 @@ class SelfSpecWorker(BaseSpecWorker):
         self.stats = metricsmod.AggregateStats(self.cfg.algorithm)
         self.verify_ops = verify_ops(self.device)
         self._fixed_forward_width = torch.device(self.device).type == "cuda"
+        # ragged verify forwards need the verify attention of `sglang_ext.attention` (CPU)
+        self._ragged_verify = torch.device(self.device).type == "cpu" and not _PADDED_VERIFY
         self.gate = None  # the gated LoRA's gate (modes that need an adapter)
         # the last decode step's start and outcomes: its period ends where the next step starts
         self._last_step: tuple[float, list] | None = None
@@ -320,13 +327,22 @@ class SelfSpecWorker(BaseSpecWorker):
         else:
             positions = (seq_lens.to(torch.int64).unsqueeze(1) + step.offsets).flatten()
             custom_mask = self._custom_mask(step.local, seq_lens_cpu.tolist())
+            gate = step.gate.flatten() if step.gate is not None else None
+            ragged = RaggedVerify.of(real_widths, W, dev) if self._ragged_verify else None
+            if ragged is not None:  # only the real tokens: the model's cost is per token on CPU
+                batch.input_ids, batch.out_cache_loc = ragged.take(batch.input_ids), ragged.take(out_cache_loc)
+                positions = ragged.take(positions)
+                gate = ragged.take(gate) if gate is not None else None
             batch.forward_mode = ForwardMode.TARGET_VERIFY
             batch.spec_info = NgramVerifyInput(
                 draft_token=batch.input_ids, custom_mask=custom_mask, positions=positions,
                 retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None, draft_token_num=W,
             )
-            with gated(self.gate, step.gate):
+            batch.spec_info.selfspec_ragged = ragged  # read by sglang_ext.attention
+            with gated(self.gate, gate):
                 result = self._target_worker.forward_batch_generation(batch, is_verify=True)
+            if ragged is not None:
+                result.logits_output.next_token_logits = ragged.pad(result.logits_output.next_token_logits)
         logits = apply_logits_rules(result.logits_output.next_token_logits.view(bs, W, -1), seqs, step)
         logits = _custom_processors(batch, logits.reshape(bs * W, -1), W).view(bs, W, -1)
         t2 = time.perf_counter()
