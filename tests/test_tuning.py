@@ -123,6 +123,34 @@ def test_greedy_acceptance_runs_draw_on_a_warm_corpus():
     assert warm.tokens == len(prompts[0]) + 48  # each run drew on a copy
 
 
+def test_a_ragged_step_costs_its_real_query_tokens():
+    """Served on CPU a step carries each request's real tokens only: a candidate that drafts
+    little is priced by what it drafts, not by its padded width, and wins where tokens cost."""
+    from selfspec.tuning.choose import throughput
+
+    linear = table(lambda b, w: 1.0 + 0.5 * b * w)
+    padded = Candidate("isd", {"stride": 2, "context_tokens": 12}, 16, {"greedy": 2.0})
+    ragged = Candidate("isd", {"stride": 2, "context_tokens": 12}, 16, {"greedy": 2.0}, {"greedy": 4.0})
+    assert ragged.cost_width("greedy") == 4.0 and padded.cost_width("greedy") == 16.0
+    assert throughput(linear, ragged, "greedy", 16) > 3 * throughput(linear, padded, "greedy", 16)
+
+
+def test_the_tuner_measures_real_query_tokens_of_unpadded_layouts():
+    """`measure(ragged=True)` builds ISD's layouts unpadded (as the CPU worker does) and keeps the
+    real query tokens per step: below the padded width when the context candidate is short."""
+    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.engines.hf import HFEngine
+    from selfspec.tuning import acceptance
+
+    engine = HFEngine.from_pretrained("tiny-idlm")
+    prompts = [engine.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser(description=")]
+    (cand,) = [c for c in acceptance.candidates_for("isd", [{"stride": 3, "context_tokens": 16}]) if c.mode == "isd"]
+    acceptance.measure(engine, [cand], prompts, 48, {"greedy": SamplingParams()}, ragged=True)
+    assert cand.width == 1 + 2 * 2 + 16 + 2  # the padded width: pending, 2 proposals, 2 MASK, candidate + tail
+    assert 1 < cand.query_tokens_per_step["greedy"] < cand.width
+    assert cand.to_dict()["query_tokens_per_step"] == cand.query_tokens_per_step
+
+
 def test_cost_interpolation_and_extrapolation():
     t = table(lambda b, w: 2.0 + b * w)
     assert t.time_ms(4, 4) == pytest.approx(18.0)

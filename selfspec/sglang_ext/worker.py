@@ -169,7 +169,10 @@ class SelfSpecWorker(BaseSpecWorker):
         self.model_runner = target_worker.model_runner
         self.device = self.model_runner.device
         self.cfg = cfgmod.load_for_worker(server_args)
-        self.mode = cfgmod.build_mode(self.cfg)
+        self._fixed_forward_width = torch.device(self.device).type == "cuda"
+        # ragged verify forwards need the verify attention of `sglang_ext.attention` (CPU)
+        self._ragged_verify = torch.device(self.device).type == "cpu" and not _PADDED_VERIFY
+        self.mode = cfgmod.build_mode(self.cfg, padded=not self._ragged_verify)
         self.width = int(get_spec().speculative_num_draft_tokens)
         if self.width < self.cfg.width:
             raise cfgmod.SelfSpecConfigError(
@@ -179,9 +182,6 @@ class SelfSpecWorker(BaseSpecWorker):
         self.states: dict[str, RequestState] = {}
         self.stats = metricsmod.AggregateStats(self.cfg.algorithm)
         self.verify_ops = verify_ops(self.device)
-        self._fixed_forward_width = torch.device(self.device).type == "cuda"
-        # ragged verify forwards need the verify attention of `sglang_ext.attention` (CPU)
-        self._ragged_verify = torch.device(self.device).type == "cpu" and not _PADDED_VERIFY
         self.gate = None  # the gated LoRA's gate (modes that need an adapter)
         # the last decode step's start and outcomes: its period ends where the next step starts
         self._last_step: tuple[float, list] | None = None

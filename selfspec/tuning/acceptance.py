@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfspec.decoding.corpus import SharedCorpus
+from selfspec.decoding.registry import get as mode_spec
 from selfspec.decoding.sampling import SamplingParams
 
 #: The widths searched per mode: stride N for ISD / RISD, window W for SJD, block size n for
@@ -43,6 +44,14 @@ class Candidate:
     options: dict[str, Any] = field(default_factory=dict)
     width: int = 1  # query tokens per request of its steps (padded)
     tokens_per_step: dict[str, float] = field(default_factory=dict)  # "greedy" / "sampled" -> committed per step
+    # "greedy" / "sampled" -> query tokens per step a ragged (CPU) served forward carries: the
+    # real ones, below `width` when a candidate is short or missing
+    query_tokens_per_step: dict[str, float] = field(default_factory=dict)
+
+    def cost_width(self, kind: str) -> float:
+        """The width a step of this candidate costs as: its real query tokens where measured."""
+        q = self.query_tokens_per_step.get(kind, float("nan"))
+        return q if q == q else float(self.width)
 
     @property
     def label(self) -> str:
@@ -52,7 +61,7 @@ class Candidate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "options": self.options, "width": self.width,
-                "tokens_per_step": self.tokens_per_step}
+                "tokens_per_step": self.tokens_per_step, "query_tokens_per_step": self.query_tokens_per_step}
 
 
 def candidates_for(mode: str, grid: list[dict[str, Any]] | None = None) -> list[Candidate]:
@@ -72,13 +81,16 @@ def warm_corpus(engine, prompts: list[list[int]], max_new_tokens: int) -> Shared
 
 def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_new_tokens: int,
             samplings: dict[str, SamplingParams], base_options: dict[str, Any] | None = None, seed: int = 0,
-            progress=None, corpus: SharedCorpus | None = None) -> None:
+            progress=None, corpus: SharedCorpus | None = None, ragged: bool = False) -> None:
     """Fill each candidate's width and tokens_per_step (per sampling kind) in place. `corpus`:
-    what the greedy runs' context candidates find besides the prompts' own text (a copy each)."""
+    what the greedy runs' context candidates find besides the prompts' own text (a copy each).
+    `ragged`: the served forwards carry real tokens only (CPU): layouts are built unpadded, as
+    the served worker builds them, and each candidate's real query tokens per step are kept."""
     for cand in candidates:
         options = None if cand.mode == "ar" else {**(base_options or {}), **cand.options}
-        mode_obj = engine.build_mode(cand.mode, options)
-        cand.width = int(mode_obj.max_width)
+        cand.width = int(engine.build_mode(cand.mode, options).max_width)
+        if ragged and options is not None and "fixed_width" in mode_spec(cand.mode).defaults:
+            options["fixed_width"] = False
         for kind, sampling in samplings.items():
             # a fresh mode per run: its context corpus must not hold the other run's outputs
             warm = copy.deepcopy(corpus) if corpus is not None and sampling.greedy else None
@@ -91,5 +103,8 @@ def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_n
                 tokens = sum(o.metrics.committed_tokens - 1 for o in outs)  # the prefill's token excluded
                 steps = sum(o.metrics.forwards - 1 for o in outs)
                 cand.tokens_per_step[kind] = tokens / max(steps, 1)
+                if ragged:
+                    query = sum(o.metrics.query_tokens - 1 for o in outs)
+                    cand.query_tokens_per_step[kind] = query / max(steps, 1)
             if progress is not None:
                 progress.update(1)

@@ -139,8 +139,9 @@ def run(args: argparse.Namespace) -> int:
         corpus = acceptance.warm_corpus(engine, corpus_prompts, args.max_new_tokens)
         bar.set_description("tune")
         for m in modes:
+            # the CPU worker's verify forwards are ragged (sglang_ext.worker): a step costs its real tokens
             acceptance.measure(engine, cands[m], prompts, args.max_new_tokens, samplings, seed=args.seed, progress=bar,
-                               corpus=corpus)
+                               corpus=corpus, ragged=True)
         for m in modes:
             if overhead is not None:
                 overheads[m] = {kind: overhead for kind in samplings}
