@@ -258,20 +258,27 @@ def test_a_continuation_that_ends_early_is_chained_on_and_a_lone_token_still_dra
 def test_a_weak_match_drafts_a_short_candidate():
     """`WEAK_MATCH_CAPS`: a candidate found only by another request's last token (or two) is cut
     short, one found by a long suffix of the request's own text is not; the caps are a mode
-    option (`context_caps`), and without them the same lookups draft the full length."""
+    option (`context_caps`, off by default), and without them the same lookups draft the full
+    length."""
     from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, WEAK_MATCH_CAPS, context_index
 
     corpus = SharedCorpus()
     corpus.append(corpus.open(), [90, 9] + list(range(100, 130)))  # token 9 then a long run
     lone = DecodeSequence([1, 2, 3, 9])  # only its last token (9) recurs, in the other document
-    weak = context_index(lone, 16, CONTEXT_MATCH_SIZES, corpus, use_corpus=True)
+    weak = context_index(lone, 16, CONTEXT_MATCH_SIZES, corpus, use_corpus=True, weak_caps=True)
     assert weak.propose(lone.history, 16) == list(range(100, 100 + WEAK_MATCH_CAPS[(False, 1)]))
     uncapped = context_index(DecodeSequence([1, 2, 3, 9]), 16, CONTEXT_MATCH_SIZES, corpus, True, weak_caps=False)
     assert uncapped.propose(lone.history, 16) == list(range(100, 116))
     loop = list(range(40, 50))
     own = DecodeSequence(loop * 2)  # a 10-token own suffix recurs: a strong match
-    strong = context_index(own, 16, CONTEXT_MATCH_SIZES, corpus, use_corpus=True)
+    strong = context_index(own, 16, CONTEXT_MATCH_SIZES, corpus, use_corpus=True, weak_caps=True)
     assert strong.propose(own.history, 16) == (loop * 2)[:16]
+    from selfspec.decoding.isd import ISDConfig, ISDMode
+
+    for caps in (False, True):
+        seq = DecodeSequence([1, 2, 3])
+        ISDMode(ISDConfig(stride=2, context_tokens=16, context_caps=caps), mask_token_id=99).start(seq)
+        assert seq.state.index.weak_caps == (WEAK_MATCH_CAPS if caps else {})
 
 
 def test_own_history_first_then_the_corpus_for_greedy_rows():

@@ -123,18 +123,6 @@ def test_greedy_acceptance_runs_draw_on_a_warm_corpus():
     assert warm.tokens == len(prompts[0]) + 48  # each run drew on a copy
 
 
-def test_a_ragged_step_costs_its_real_query_tokens():
-    """Served on CPU a step carries each request's real tokens only: a candidate that drafts
-    little is priced by what it drafts, not by its padded width, and wins where tokens cost."""
-    from selfspec.tuning.choose import throughput
-
-    linear = table(lambda b, w: 1.0 + 0.5 * b * w)
-    padded = Candidate("isd", {"stride": 2, "context_tokens": 12}, 16, {"greedy": 2.0})
-    ragged = Candidate("isd", {"stride": 2, "context_tokens": 12}, 16, {"greedy": 2.0}, {"greedy": 4.0})
-    assert ragged.cost_width("greedy") == 4.0 and padded.cost_width("greedy") == 16.0
-    assert throughput(linear, ragged, "greedy", 16) > 3 * throughput(linear, padded, "greedy", 16)
-
-
 def test_the_tuner_measures_real_query_tokens_of_unpadded_layouts():
     """`measure(ragged=True)` builds ISD's layouts unpadded (as the CPU worker does) and keeps the
     real query tokens per step: below the padded width when the context candidate is short."""

@@ -150,7 +150,7 @@ class SuffixIndex:
 
 
 def context_index(seq: DecodeSequence, tokens: int, sizes: tuple[int, ...], corpus: SharedCorpus | None,
-                  use_corpus: bool, weak_caps: bool = True) -> SuffixIndex | None:
+                  use_corpus: bool, weak_caps: bool = False) -> SuffixIndex | None:
     """A mode's context lookup for `seq` (None when its candidates are off: `tokens` == 0);
     `weak_caps`: weak matches draft short candidates (`WEAK_MATCH_CAPS`)."""
     if not tokens:

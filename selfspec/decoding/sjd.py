@@ -52,9 +52,10 @@ class SJDConfig:
     context_match_sizes: tuple[int, ...] = CONTEXT_MATCH_SIZES  # suffix lengths tried, longest first
     # context candidates also from the other sequences served (`corpus.py`), for greedy rows
     context_corpus: bool = True
-    # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`): what a step whose cost is per
-    # query token (a ragged CPU forward) wants; off where steps are padded to a fixed width
-    context_caps: bool = True
+    # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`): fewer query tokens for about
+    # the same tokens a step; pays only where a step costs per query token (ragged forwards), and
+    # did not pay served on this VM (README "Ragged verify forwards"): off by default
+    context_caps: bool = False
 
     def __post_init__(self) -> None:
         if self.window < 1:

@@ -15,9 +15,9 @@ keep; this file only maps that onto SGLang:
   and the step indices whose KV joins the prefix (`keep`); kept KV is moved to the front of the
   window (a no-op for causal chains), so `[seq_len, seq_len + len(emit))` is the new committed
   run and everything past it (MASK, rejected, losing branches, padding) is overwritten next
-  step or freed with the request. On CPU the forward is ragged: only each request's real
-  tokens go through the model (`RaggedVerify`); the padding to W exists in the attention's
-  query block alone.
+  step or freed with the request. With `SELFSPEC_RAGGED_VERIFY=1` the CPU forward is ragged:
+  only each request's real tokens go through the model (`RaggedVerify`); the padding to W
+  exists in the attention's query block alone.
 
 Per-request state (history, mode state, seed counter, metrics) lives here, keyed by request id,
 so continuous batching needs nothing from SGLang but the batch's request list: requests join,
@@ -53,7 +53,7 @@ from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, coll
 from selfspec.engines.kernel_choice import verify_ops
 from selfspec.kernels.lora_gate import gated
 from selfspec.sglang_ext import config as cfgmod
-from selfspec.sglang_ext.attention import RaggedVerify
+from selfspec.sglang_ext.attention import RaggedVerify, ragged_verify_enabled
 from selfspec.sglang_ext import lora as loramod
 from selfspec.sglang_ext.grammar import request_constraint
 from selfspec.sglang_ext.logprobs import write_decode_logprobs, write_prefill_logprobs
@@ -64,8 +64,6 @@ logger = logging.getLogger(__name__)
 
 _TOP_K_ALL = 1 << 30
 _DEBUG_TIMING = os.environ.get("SELFSPEC_DEBUG_TIMING") == "1"
-# A/B switch for benchmarks: every request padded to the step width through the whole forward
-_PADDED_VERIFY = os.environ.get("SELFSPEC_PADDED_VERIFY") == "1"
 #: Use the GPU backends' full mask layout on CPU too (exercises that layout in the CPU tests).
 _FORCE_FULL_MASK = os.environ.get("SELFSPEC_FULL_MASK") == "1"
 
@@ -171,7 +169,7 @@ class SelfSpecWorker(BaseSpecWorker):
         self.cfg = cfgmod.load_for_worker(server_args)
         self._fixed_forward_width = torch.device(self.device).type == "cuda"
         # ragged verify forwards need the verify attention of `sglang_ext.attention` (CPU)
-        self._ragged_verify = torch.device(self.device).type == "cpu" and not _PADDED_VERIFY
+        self._ragged_verify = torch.device(self.device).type == "cpu" and ragged_verify_enabled()
         self.mode = cfgmod.build_mode(self.cfg, padded=not self._ragged_verify)
         self.width = int(get_spec().speculative_num_draft_tokens)
         if self.width < self.cfg.width:

@@ -44,14 +44,10 @@ class Candidate:
     options: dict[str, Any] = field(default_factory=dict)
     width: int = 1  # query tokens per request of its steps (padded)
     tokens_per_step: dict[str, float] = field(default_factory=dict)  # "greedy" / "sampled" -> committed per step
-    # "greedy" / "sampled" -> query tokens per step a ragged (CPU) served forward carries: the
-    # real ones, below `width` when a candidate is short or missing
+    # "greedy" / "sampled" -> query tokens per step of its layouts (with `measure(ragged=True)`
+    # unpadded: what a ragged CPU forward carries). Reported, not priced: a
+    # plan priced by them predicted served ISD 20-84% too fast (README "Ragged verify forwards")
     query_tokens_per_step: dict[str, float] = field(default_factory=dict)
-
-    def cost_width(self, kind: str) -> float:
-        """The width a step of this candidate costs as: its real query tokens where measured."""
-        q = self.query_tokens_per_step.get(kind, float("nan"))
-        return q if q == q else float(self.width)
 
     @property
     def label(self) -> str:
@@ -85,7 +81,7 @@ def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_n
     """Fill each candidate's width and tokens_per_step (per sampling kind) in place. `corpus`:
     what the greedy runs' context candidates find besides the prompts' own text (a copy each).
     `ragged`: the served forwards carry real tokens only (CPU): layouts are built unpadded, as
-    the served worker builds them, and each candidate's real query tokens per step are kept."""
+    the served worker then builds them. Each candidate's query tokens per step are kept."""
     for cand in candidates:
         options = None if cand.mode == "ar" else {**(base_options or {}), **cand.options}
         cand.width = int(engine.build_mode(cand.mode, options).max_width)
@@ -103,8 +99,7 @@ def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_n
                 tokens = sum(o.metrics.committed_tokens - 1 for o in outs)  # the prefill's token excluded
                 steps = sum(o.metrics.forwards - 1 for o in outs)
                 cand.tokens_per_step[kind] = tokens / max(steps, 1)
-                if ragged:
-                    query = sum(o.metrics.query_tokens - 1 for o in outs)
-                    cand.query_tokens_per_step[kind] = query / max(steps, 1)
+                query = sum(o.metrics.query_tokens - 1 for o in outs)
+                cand.query_tokens_per_step[kind] = query / max(steps, 1)
             if progress is not None:
                 progress.update(1)

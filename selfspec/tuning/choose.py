@@ -37,9 +37,8 @@ def throughput(costs: CostTable, cand: Candidate, kind: str, batch: int,
     tps = cand.tokens_per_step.get(kind, float("nan"))
     if not math.isfinite(tps):
         return float("nan")
-    width = cand.cost_width(kind)
-    extra = overhead.ms(batch, width) if overhead is not None else 0.0
-    return 1e3 * batch * tps / (costs.time_ms(batch, width) + extra)
+    extra = overhead.ms(batch, cand.width) if overhead is not None else 0.0
+    return 1e3 * batch * tps / (costs.time_ms(batch, cand.width) + extra)
 
 
 def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: int,

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.benchmarks.offline import load_prompts
     from selfspec.decoding.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
+    from selfspec.sglang_ext.attention import ragged_verify_enabled
     from selfspec.tuning import acceptance, cost
     from selfspec.tuning.choose import buckets, choose, throughput
 
@@ -139,9 +140,9 @@ def run(args: argparse.Namespace) -> int:
         corpus = acceptance.warm_corpus(engine, corpus_prompts, args.max_new_tokens)
         bar.set_description("tune")
         for m in modes:
-            # the CPU worker's verify forwards are ragged (sglang_ext.worker): a step costs its real tokens
+            # layouts as the served worker builds them (unpadded where its forwards are ragged)
             acceptance.measure(engine, cands[m], prompts, args.max_new_tokens, samplings, seed=args.seed, progress=bar,
-                               corpus=corpus, ragged=True)
+                               corpus=corpus, ragged=ragged_verify_enabled())
         for m in modes:
             if overhead is not None:
                 overheads[m] = {kind: overhead for kind in samplings}
