@@ -7,6 +7,8 @@ handed in each step's context, so this module is where the two layers meet.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from selfspec.decoding.verify import (
@@ -25,3 +27,11 @@ def verify_ops(device: str | torch.device) -> VerifyOps:
         speculative=resolve("speculative_verify", speculative_verify_reference, sample),
         greedy_candidates=resolve("greedy_verify_candidates", greedy_verify_candidates_reference, sample),
     )
+
+
+def ragged_verify_enabled() -> bool:
+    """Whether the served CPU verify forwards run ragged (`SELFSPEC_RAGGED_VERIFY=1`,
+    `sglang_ext.attention.RaggedVerify`), so the tuner measures the layouts they run. Off by
+    default: on this 2-core VM it did not make served ISD faster than the padded forward (README
+    "Ragged verify forwards")."""
+    return os.environ.get("SELFSPEC_RAGGED_VERIFY") == "1"

@@ -14,18 +14,10 @@ the full one (per request W x (L+W), concatenated, what the GPU backends take).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
-
-
-def ragged_verify_enabled() -> bool:
-    """Whether CPU verify forwards run ragged (`SELFSPEC_RAGGED_VERIFY=1`). Off by default: on
-    this 2-core VM it did not make served ISD faster than the padded forward (README "Ragged
-    verify forwards")."""
-    return os.environ.get("SELFSPEC_RAGGED_VERIFY") == "1"
 
 
 @dataclass

@@ -50,10 +50,10 @@ from selfspec.decoding.logits_rules import apply_logits_rules
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, collate
-from selfspec.engines.kernel_choice import verify_ops
+from selfspec.engines.kernel_choice import ragged_verify_enabled, verify_ops
 from selfspec.kernels.lora_gate import gated
 from selfspec.sglang_ext import config as cfgmod
-from selfspec.sglang_ext.attention import RaggedVerify, ragged_verify_enabled
+from selfspec.sglang_ext.attention import RaggedVerify
 from selfspec.sglang_ext import lora as loramod
 from selfspec.sglang_ext.grammar import request_constraint
 from selfspec.sglang_ext.logprobs import write_decode_logprobs, write_prefill_logprobs

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.benchmarks.offline import load_prompts
     from selfspec.decoding.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
-    from selfspec.sglang_ext.attention import ragged_verify_enabled
+    from selfspec.engines.kernel_choice import ragged_verify_enabled
     from selfspec.tuning import acceptance, cost
     from selfspec.tuning.choose import buckets, choose, throughput
 
