@@ -61,9 +61,7 @@ class ISDConfig:
     context_tail: bool = True  # MASK proposals after the candidate too (used when it wins whole)
     # context candidates also from the other sequences served (`corpus.py`), for greedy rows
     context_corpus: bool = True
-    # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`): fewer query tokens for about
-    # the same tokens a step; pays only where a step costs per query token (ragged forwards), and
-    # did not pay served on this VM (README "Ragged verify forwards"): off by default
+    # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`; off: it did not pay served)
     context_caps: bool = False
     # sampled decoding: proposals "sample"d from the MASK rows' distribution q and verified
     # against that q (accepted with probability sum min(p, q)), or "argmax" proposals (the I-DLM

@@ -88,9 +88,7 @@ class JacobiConfig:
     context_match_sizes: tuple[int, ...] = CONTEXT_MATCH_SIZES  # suffix lengths tried, longest first
     # context candidates also from the other sequences served (`corpus.py`), for greedy rows
     context_corpus: bool = True
-    # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`): fewer query tokens for about
-    # the same tokens a step; pays only where a step costs per query token (ragged forwards), and
-    # did not pay served on this VM (README "Ragged verify forwards"): off by default
+    # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`; off: it did not pay served)
     context_caps: bool = False
 
     def __post_init__(self) -> None:

@@ -244,6 +244,12 @@ def build_planned(mode: str, base_options: dict[str, Any], plan: Any,
                        ar_mode=build("ar", None, resources))
 
 
+def unpadded(mode: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` for layouts that end at their last real token (a ragged CPU verify forward):
+    `fixed_width=False` for the modes that pad to a fixed width (ISD, RISD)."""
+    return {**options, "fixed_width": False} if "fixed_width" in get(mode).defaults else dict(options)
+
+
 def help_text() -> str:
     """One line per mode, for --help."""
     return "; ".join(f"{s.name}: {s.summary}" for s in _SPECS)

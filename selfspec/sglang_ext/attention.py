@@ -35,8 +35,8 @@ class RaggedVerify:
         """None when every request fills the width (nothing to leave out)."""
         if min(widths) >= width:
             return None
-        rows = [r * width + j for r, w in enumerate(widths) for j in range(w)]
-        return cls(torch.tensor(rows, dtype=torch.long, device=device), len(widths) * width)
+        real = torch.arange(width) < torch.tensor(widths).unsqueeze(1)  # [bs, W]
+        return cls(real.flatten().nonzero().squeeze(1).to(device), len(widths) * width)
 
     def take(self, padded: torch.Tensor) -> torch.Tensor:
         """The real rows of a per-token tensor of the padded block."""

@@ -135,9 +135,7 @@ def build_mode(cfg: ResolvedConfig, padded: bool = True):
     if spec.needs_vocab_size and vocab is None:
         raise _err(f"{cfg.algorithm} needs the vocabulary size: {cfg.model_path}/config.json has no vocab_size")
     resources = registry.ModeResources(cfg.mask_token_id, int(vocab) if vocab is not None else None)
-    options = dict(cfg.options)
-    if not padded and "fixed_width" in spec.defaults:
-        options["fixed_width"] = False
+    options = dict(cfg.options) if padded else registry.unpadded(spec.name, cfg.options)
     if cfg.plan is not None:
         return registry.build_planned(spec.name, options, cfg.plan, resources)
     config = registry.parse_mode_config(spec.name, options)
@@ -232,8 +230,8 @@ def _check_mode_specific(cfg: ResolvedConfig, server_args: Any, flags: dict, met
         raise _err(f"stride N={stride!r} ({cfg.sources.get('stride', 'default')}) is out of range: {algo} "
                    f"needs an integer {lo} <= N <= {hi} (2N-1 query tokens per step); pass e.g. --selfspec-stride 4")
     if cfg.options.get("fixed_width") is False:
-        raise _err(f"{algo} under SGLang chooses the layout width itself (padded to 2N-1 where CUDA graphs "
-                   "need it, ragged on CPU); remove fixed_width=false")
+        raise _err(f"{algo} under SGLang chooses the layout width itself (padded to 2N-1; unpadded only on CPU "
+                   "with SELFSPEC_RAGGED_VERIFY=1); remove fixed_width=false")
     # mask token: flag, options, metadata, tokenizer
     mask_id = flags.get("mask_token_id")
     if mask_id is None:

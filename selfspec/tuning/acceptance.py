@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfspec.decoding.corpus import SharedCorpus
-from selfspec.decoding.registry import get as mode_spec
+from selfspec.decoding.registry import unpadded
 from selfspec.decoding.sampling import SamplingParams
 
 #: The widths searched per mode: stride N for ISD / RISD, window W for SJD, block size n for
@@ -85,8 +85,8 @@ def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_n
     for cand in candidates:
         options = None if cand.mode == "ar" else {**(base_options or {}), **cand.options}
         cand.width = int(engine.build_mode(cand.mode, options).max_width)
-        if ragged and options is not None and "fixed_width" in mode_spec(cand.mode).defaults:
-            options["fixed_width"] = False
+        if ragged and options is not None:
+            options = unpadded(cand.mode, options)
         for kind, sampling in samplings.items():
             # a fresh mode per run: its context corpus must not hold the other run's outputs
             warm = copy.deepcopy(corpus) if corpus is not None and sampling.greedy else None
