@@ -62,6 +62,8 @@ def tree_outcomes(monkeypatch):
     ("isd", {"stride": 3, "context_tokens": 4}),
     ("isd", {"stride": 4, "context_tokens": 6, "context_tail": False, "fixed_width": False}),
     ("risd", {"stride": 3, "context_tokens": 5, "context_match_sizes": (2,)}),
+    ("isd", {"stride": 1, "context_tokens": 4}),  # lookup steps: the candidate alone
+    ("risd", {"stride": 1, "context_tokens": 6, "fixed_width": False}),
     ("sjd", {"window": 2, "context_tokens": 4}),
     ("sjd", {"window": 5, "history_offset": 2, "context_tokens": 3, "context_match_sizes": (2, 1)}),
 ])
@@ -146,6 +148,7 @@ def test_two_paths_keep_the_distribution_of_each_position():
 
 @pytest.mark.parametrize("mode, config", [
     ("isd", {"stride": 3, "context_tokens": 3, "context_match_sizes": (1,)}),
+    ("isd", {"stride": 1, "context_tokens": 3, "context_match_sizes": (1,)}),
     ("sjd", {"window": 2, "context_tokens": 3, "context_match_sizes": (1,)}),
 ])
 def test_sampled_candidates_keep_ar_sampling(tree_outcomes, mode, config):

@@ -60,8 +60,9 @@ def test_consume_rejection_at_every_position(k):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="1 with context_tokens > 0"):
         ISDConfig(stride=1)
+    assert ISDConfig(stride=1, context_tokens=8).stride == 1  # a lookup step
     with pytest.raises(ValueError):
         ISDConfig(tau=-0.1)
 

@@ -1,6 +1,8 @@
 """Introspective Strided Decoding (ISD) and its lossless LoRA variant RISD (I-DLM, §3.2, App. B).
 
-Stride N >= 2. One step is one forward over
+Stride N >= 2. (N = 1 with a context candidate is a lookup step: [pending, candidate], no MASK
+proposals; a width plan runs it where the MASK rows cost more than they bring, e.g. large
+batches on a CPU.) One step is one forward over
 
     [pending, q_1 … q_m, MASK × (N−1)]          m = N−1 (P step) or 0 (propose-only step)
 
@@ -49,7 +51,7 @@ from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split
 
 @dataclass
 class ISDConfig:
-    stride: int = 4  # N: at most N tokens per step; 2N-1 query tokens
+    stride: int = 4  # N: at most N tokens per step; 2N-1 query tokens (1: lookup steps, see module doc)
     tau: float = 0.0  # relaxed acceptance min(1, (1+tau) p/q); 0 keeps AR's distribution
     fixed_width: bool = True  # pad every step to 2N-1 (CUDA-graph shape) or use N / 2N-1
     mask_token_id: int | None = None  # default: selfspec.json, then the tokenizer's mask_token
@@ -73,8 +75,10 @@ class ISDConfig:
     grammar_proposals: bool = True
 
     def __post_init__(self) -> None:
-        if self.stride < 2:
-            raise ValueError(f"ISD stride must be >= 2, got {self.stride}")
+        if self.stride < 1 or (self.stride == 1 and self.context_tokens <= 0):
+            raise ValueError(f"ISD stride must be >= 2, or 1 with context_tokens > 0 (a lookup step: the "
+                             f"context candidate alone), got stride={self.stride}, "
+                             f"context_tokens={self.context_tokens}")
         if self.tau < 0:
             raise ValueError(f"tau must be >= 0, got {self.tau}")
         if self.context_tokens < 0:
