@@ -26,9 +26,11 @@ from selfspec.decoding.sampling import SamplingParams
 
 #: The widths searched per mode: stride N for ISD / RISD, window W for SJD, block size n for
 #: JACOBI, each with and without a context candidate of a few lengths (the embedded I-DLM
-#: models are trained for strides 2-4).
+#: models are trained for strides 2-4; stride 1 is a lookup step, the candidate alone: where
+#: the MASK rows cost more query tokens than they commit).
 GRIDS: dict[str, list[dict[str, Any]]] = {
-    "isd": [{"stride": n, "context_tokens": k, "context_tail": False} for n in (2, 3, 4) for k in (0, 4, 8, 12, 16)],
+    "isd": [{"stride": n, "context_tokens": k, "context_tail": False}
+            for n in (1, 2, 3, 4) for k in (0, 4, 8, 12, 16) if n > 1 or k > 0],
     "sjd": [{"window": w, "context_tokens": k} for w in (1, 2, 4) for k in (0, 4, 8, 12, 16)],
     # JACOBI's pool candidates (verify_size) widen every step; its context candidate may run
     # past the block, so small blocks with a long candidate are in the grid
