@@ -1,6 +1,6 @@
 """A width plan served by stock SGLang (`--selfspec-config` with a `plan:`): each decode step
-runs the bucket of its batch size (ISD with candidates alone, plain AR steps at mid sizes,
-stride 2 above), and the output stays exactly AR's when the width changes between steps
+runs the bucket of its batch size (ISD with candidates, lookup steps (stride 1), plain AR steps
+at mid sizes, stride 2 above), and the output stays exactly AR's when the width changes between steps
 (sequential requests, a 16-request burst whose batch grows and shrinks), sampled output
 follows the AR server's sampling; the log reports each step's width, and /server_info what the
 plan's online check measured."""
@@ -22,10 +22,11 @@ from sglang_fixtures import (
 
 pytestmark = pytest.mark.server
 
-PLAN = [{"max_batch": 2, "stride": 3, "context_tokens": 4}, {"max_batch": 8, "mode": "ar"},
-        {"max_batch": None, "stride": 2}]
-#: each bucket's forward width: ISD 1 + 2(N-1) (+ candidate 4 + its MASK tail N-1), AR 1
-WIDTHS = {11, 1, 3}
+PLAN = [{"max_batch": 2, "stride": 3, "context_tokens": 4}, {"max_batch": 5, "stride": 1, "context_tokens": 4},
+        {"max_batch": 8, "mode": "ar"}, {"max_batch": None, "stride": 2}]
+#: each bucket's forward width: ISD 1 + 2(N-1) (+ candidate 4 + its MASK tail N-1), a lookup
+#: step 1 + candidate, AR 1
+WIDTHS = {11, 5, 1, 3}
 
 
 @pytest.fixture(scope="module")

@@ -52,8 +52,8 @@ def setup():
 
 
 PLANS = {
-    "isd": [{"max_batch": 8, "stride": 3, "context_tokens": 4}, {"max_batch": 18, "mode": "ar"},
-            {"max_batch": None, "stride": 2}],
+    "isd": [{"max_batch": 8, "stride": 3, "context_tokens": 4}, {"max_batch": 14, "mode": "ar"},
+            {"max_batch": 18, "stride": 1, "context_tokens": 4}, {"max_batch": None, "stride": 2}],
     "sjd": [{"max_batch": 12, "window": 4, "context_tokens": 3}, {"max_batch": None, "window": 1}],
     "jacobi": [{"max_batch": 16, "block_size": 4, "context_tokens": 3}, {"max_batch": None, "mode": "ar"}],
 }
@@ -83,7 +83,8 @@ def test_sampling_keeps_the_ar_distribution_across_switches(buckets_used):
     engine = HFEngine(model, mask_token_id=mask_id)
     prompt, steps, sampling, n, stop = [1, 2, 3], 3, SamplingParams(1.0), 20_000, 5
     plan = {"greedy": [{"max_batch": None, "mode": "ar"}],
-            "sampled": [{"max_batch": 19_000, "stride": 2}, {"max_batch": 19_400, "mode": "ar"},
+            "sampled": [{"max_batch": 19_000, "mode": "ar"},
+                        {"max_batch": 19_400, "stride": 1, "context_tokens": 2, "context_match_sizes": [1]},
                         {"max_batch": None, "stride": 3, "context_tokens": 2, "context_match_sizes": [1]}]}
     outs = engine.generate([prompt] * n, steps + 1, sampling, seed=list(range(n)), stop_token_ids=[stop],
                            mode="isd", plan=plan, batch_size=n)
