@@ -31,7 +31,8 @@ def add_selfspec_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--selfspec-config", default=None, metavar="FILE.yaml",
                    help="mode options in one YAML file (presets: serving_configs/*.yaml); flags below override it")
     g.add_argument("--selfspec-stride", type=int, default=None, metavar="N",
-                   help="ISD/RISD stride N: up to N tokens per step, 2N-1 query tokens")
+                   help="ISD/RISD stride N: up to N tokens per step, 2N-1 query tokens (1 with "
+                   "--selfspec-options context_tokens=K: lookup steps, the context candidate alone)")
     g.add_argument("--selfspec-tau", type=float, default=None, metavar="TAU",
                    help="ISD/RISD relaxed acceptance min(1,(1+tau)p/q); 0 keeps the AR distribution")
     g.add_argument("--selfspec-mask-token-id", type=int, default=None, metavar="ID",
