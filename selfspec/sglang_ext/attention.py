@@ -103,8 +103,11 @@ def verify_attention(
     costs a gather, a mask and an SDPA call per request and layer, which dominated steps of
     small models at batch 16."""
     bs, width = plan.slots.shape[0], plan.width
-    key = k_cache[plan.slots].movedim(2, 1)  # [bs, Hkv, kv_max, D]
-    value = v_cache[plan.slots].movedim(2, 1)
+    # index_select, not k_cache[slots]: the same rows, gathered about 6x faster on a CPU (advanced
+    # indexing was a tenth of a batch-16 step)
+    slots = plan.slots.reshape(-1)
+    key = k_cache.index_select(0, slots).view(bs, -1, *k_cache.shape[1:]).movedim(2, 1)  # [bs, Hkv, kv_max, D]
+    value = v_cache.index_select(0, slots).view(bs, -1, *v_cache.shape[1:]).movedim(2, 1)
     query = q.view(bs, width, q.shape[1], q.shape[2]).movedim(2, 1)  # [bs, Hq, W, D]
     if key.dtype != query.dtype:
         key, value = key.to(query.dtype), value.to(query.dtype)
