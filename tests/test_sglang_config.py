@@ -117,8 +117,14 @@ def test_checkpoint_metadata_supplies_defaults(tmp_path, tiny_base_path):
 
 def test_stride_out_of_range(tiny_base_path):
     msg = _fails(tiny_base_path, "--speculative-algorithm", "ISD", "--selfspec-stride", "1")
-    assert "out of range" in msg and "--selfspec-stride" in msg
+    assert "out of range" in msg and "--selfspec-stride" in msg and "context_tokens > 0" in msg
     assert "out of range" in _fails(tiny_base_path, "--speculative-algorithm", "ISD", "--selfspec-stride", "64")
+
+
+def test_stride_one_with_a_candidate_is_a_lookup_step(tiny_base_path):
+    sa = _resolve(tiny_base_path, "--speculative-algorithm", "ISD", "--selfspec-stride", "1",
+                  "--selfspec-mask-token-id", "1", "--selfspec-options", "context_tokens=8")
+    assert sa.speculative_num_draft_tokens == 9  # [pending, 8-token candidate]
 
 
 @pytest.mark.parametrize("algorithm, options, problem", [

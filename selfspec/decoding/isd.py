@@ -50,6 +50,11 @@ from selfspec.decoding.step import (
 from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split, verify_paths
 
 
+def stride_allowed(stride: int, context_tokens: int) -> bool:
+    """N >= 2, or N = 1 with a context candidate (a lookup step: no MASK rows)."""
+    return stride >= 2 or (stride == 1 and context_tokens > 0)
+
+
 @dataclass
 class ISDConfig:
     stride: int = 4  # N: at most N tokens per step; 2N-1 query tokens (1: lookup steps, see module doc)
@@ -76,7 +81,7 @@ class ISDConfig:
     grammar_proposals: bool = True
 
     def __post_init__(self) -> None:
-        if self.stride < 1 or (self.stride == 1 and self.context_tokens <= 0):
+        if not stride_allowed(self.stride, self.context_tokens):
             raise ValueError(f"ISD stride must be >= 2, or 1 with context_tokens > 0 (a lookup step: the "
                              f"context candidate alone), got stride={self.stride}, "
                              f"context_tokens={self.context_tokens}")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.decoding import registry
+from selfspec.decoding.isd import stride_allowed
 from selfspec.errors import UserError
 from selfspec.decoding.metadata import MetadataError, SelfspecMetadata, load_metadata, weights_sha256
 #: JSON of the `--selfspec-*` flags, set by the CLI hook in the launching process.
@@ -226,9 +227,11 @@ def _check_mode_specific(cfg: ResolvedConfig, server_args: Any, flags: dict, met
         return
     stride = cfg.options.get("stride")
     lo, hi = STRIDE_RANGE
-    if not isinstance(stride, int) or not lo <= stride <= hi:
+    context_tokens = cfg.options.get("context_tokens") or 0
+    if not isinstance(stride, int) or stride > hi or not stride_allowed(stride, context_tokens):
         raise _err(f"stride N={stride!r} ({cfg.sources.get('stride', 'default')}) is out of range: {algo} "
-                   f"needs an integer {lo} <= N <= {hi} (2N-1 query tokens per step); pass e.g. --selfspec-stride 4")
+                   f"needs an integer {lo} <= N <= {hi} (2N-1 query tokens per step), or N = 1 with "
+                   f"context_tokens > 0 (lookup steps); pass e.g. --selfspec-stride 4")
     if cfg.options.get("fixed_width") is False:
         raise _err(f"{algo} under SGLang chooses the layout width itself (padded to 2N-1; unpadded only on CPU "
                    "with SELFSPEC_RAGGED_VERIFY=1); remove fixed_width=false")
