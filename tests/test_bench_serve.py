@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import argparse
 import json
 
@@ -114,6 +115,9 @@ def test_tuner_predictions_sit_beside_the_rows_served_with_its_plan(tmp_path):
         {"mode": "isd", "status": "ok", "server_args": ["--selfspec-config", str(tmp_path / "." / config.name)],
          "levels": [level(1, 20.0, tpf=404 / 204, tpot=80.0), level(4, 30.0)]},  # C=1: 2 tokens per decode step
         {"mode": "isd", "status": "ok", "server_args": [], "levels": [level(1, 15.0)]}]}  # not the tuned plan
+    for row in report["results"]:  # as finish_report sets it before the predictions attach
+        for lv in row["levels"]:
+            lv["ratio_vs_ar"] = lv["output_tok_s"] / {1: 10.0, 4: 25.0}[lv["concurrency"]] if row["mode"] != "ar" else 1.0
     predictions.attach(report, predictions.load(path))
     ar, tuned, fixed = (r["levels"] for r in report["results"])
     # batch 3 is not on the tuner's grid; C=16 with 4 requests is a batch of 4
@@ -126,13 +130,35 @@ def test_tuner_predictions_sit_beside_the_rows_served_with_its_plan(tmp_path):
     assert tuned[0]["prediction_error"] == pytest.approx(0.25)
     assert tuned[0]["step_error"] == pytest.approx(160.0 / 160.0 - 1)
     assert "predicted_tok_s" not in fixed[0]
+    # the speed-up over AR: predicted 25 / 9 at batch 1, measured 20 / 10 in the same run
+    assert "speedup_error" not in ar[0]
+    assert tuned[0]["predicted_speedup"] == pytest.approx(25.0 / 9.0)
+    assert tuned[0]["speedup_error"] == pytest.approx((25.0 / 9.0) / 2.0 - 1)
+    assert tuned[1]["speedup_error"] == pytest.approx((30.0 / 30.0) / (30.0 / 25.0) - 1)
+    # rows record the plan they served; a plan the tune did not write (the file since re-tuned,
+    # or a copy of it elsewhere) is matched by content, not by the path
+    report["results"][1]["selfspec_plan"] = predictions.served_plan(report["results"][1]["server_args"])
+    assert report["results"][1]["selfspec_plan"] is None  # the config file holds no plan
+    planned = tmp_path / "planned.yaml"
+    planned.write_text("mode: ISD\nplan:\n  greedy:\n  - {max_batch: null, mode: ar}\n")
+    assert predictions.served_plan(["--selfspec-config", str(planned)]) == {"greedy": [{"max_batch": None, "mode": "ar"}]}
+    predictions.attach(report, predictions.load(path))
+    assert "predicted_tok_s" not in tuned[0] and "speedup_error" not in tuned[0]  # stale values cleared
+    report["results"][1]["selfspec_plan"] = copy.deepcopy(tune["modes"]["isd"]["plan"])
+    report["results"][2]["selfspec_plan"] = copy.deepcopy(tune["modes"]["isd"]["plan"])  # a copy elsewhere
+    predictions.attach(report, predictions.load(path))
+    assert report["results"][1]["levels"][0]["predicted_tok_s"] == 25.0
+    assert report["results"][2]["levels"][0]["predicted_tok_s"] == 25.0
     # a bucket the tuner never measured (a hand-edited plan) gets no prediction, not an error
     tune["modes"]["isd"]["plan"]["greedy"][0]["stride"] = 4
     path.write_text(json.dumps(tune))
     predictions.attach(report, predictions.load(path))
+    assert "predicted_tok_s" not in report["results"][1]["levels"][0]  # served stride 3: not this plan
+    report["results"][1]["selfspec_plan"] = copy.deepcopy(tune["modes"]["isd"]["plan"])
+    predictions.attach(report, predictions.load(path))
     assert report["results"][1]["levels"][0]["predicted_tok_s"] is None
     assert report["results"][1]["levels"][0]["step_error"] is None
-    assert "step err" in serve.format_table({"temperature": 0.0, "results": [dict(r, reason=None, notes=[])
+    assert "xAR err" in serve.format_table({"temperature": 0.0, "results": [dict(r, reason=None, notes=[])
                                                                              for r in report["results"][:1]]})
     path.write_text(json.dumps({"schema": "selfspec.bench.serve/v1"}))
     with pytest.raises(SystemExit, match="not a `selfspec tune --json` report"):

@@ -7,6 +7,12 @@ the plan runs at the level's batch (min(C, requests), where it is on the tuner's
 row gets the AR candidate's. The prediction is a steady batch decoding; the measurement also
 holds prefill and a batch that thins as requests finish, so the two agree best at small C, and
 `step_error` compares the step times alone.
+
+Absolute tok/s also move with the machine: this shared VM served plain AR at C=1 anywhere from
+95 to 148 tok/s within one session, so a tune made an hour before a bench predicts every row,
+AR's included, off by as much. What a plan is for is the speed-up over AR steps on the same
+machine at the same time, so `speedup_error` compares the predicted speed-up over AR with the
+one measured against the AR row of the same run; the machine's drift cancels in both ratios.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from typing import Any
 
 from selfspec.decoding.width_plan import WidthPlan
 from selfspec.tuning.acceptance import Candidate
+
+
+PREDICTION_KEYS = ("predicted_tok_s", "prediction_error", "step_error", "predicted_speedup", "speedup_error")
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -42,6 +51,34 @@ def _same_file(a: str, b: str) -> bool:
         return Path(a).resolve() == Path(b).resolve()
     except OSError:
         return False
+
+
+def _serves(row: dict[str, Any], tuned: dict[str, Any], mode: str) -> bool:
+    """Whether `row` was served with `tuned`'s plan: the plan the bench recorded from the row's
+    `--selfspec-config` at serve time equals it (a tuned file is rewritten by the next tune), or,
+    in reports from before the bench recorded plans, the row's config is the tune's file."""
+    if "selfspec_plan" in row:
+        try:
+            return (row["selfspec_plan"] is not None and WidthPlan.from_dict(row["selfspec_plan"], mode).to_dict()
+                    == WidthPlan.from_dict(tuned["plan"], mode).to_dict())
+        except ValueError:
+            return False
+    config = _config_of(row.get("server_args") or [])
+    return config is not None and _same_file(config, tuned["config"])
+
+
+def served_plan(server_args: list[str]) -> Any:
+    """The width plan in the row's `--selfspec-config` file (None: no config or no plan in it),
+    read when the row is served."""
+    from selfspec.sglang_ext.config import load_yaml_config
+
+    config = _config_of(server_args)
+    if config is None:
+        return None
+    try:
+        return load_yaml_config(config).get("plan")
+    except Exception:  # the server start-up reports a bad config; the bench only records
+        return None
 
 
 def _candidate_at(tuned: dict[str, Any], mode: str | None, sampled: bool, batch: int) -> dict[str, Any] | None:
@@ -75,19 +112,24 @@ def attach(report: dict[str, Any], tune: dict[str, Any]) -> None:
       the tuner's tokens per step over its predicted tok/s. The rest of `prediction_error` is the
       level's acceptance (its prompts are not the tuner's) and a batch that fills and thins.
 
-    Both are positive where the tuner was optimistic."""
+    - `predicted_speedup` = the prediction over AR's at the same batch, and `speedup_error` = that
+      over the measured `ratio_vs_ar` − 1 (rows other than AR, where the report has the ratio).
+
+    All three are positive where the tuner was optimistic."""
     sampled = report["temperature"] > 0
     kind = "sampled" if sampled else "greedy"
     modes = tune.get("modes") or {}
     for row in report["results"]:
+        for lv in row.get("levels", []):  # predictions attached before, from another tune
+            for key in PREDICTION_KEYS:
+                lv.pop(key, None)
         if row.get("status") != "ok":
             continue
         if row["mode"] == "ar":  # every tuned mode's AR candidate is the same AR step
             tuned, mode = next(iter(modes.values()), None), None
         else:
             tuned, mode = modes.get(row["mode"]), row["mode"]
-            config = _config_of(row.get("server_args") or [])
-            if tuned is None or config is None or not _same_file(config, tuned["config"]):
+            if tuned is None or not _serves(row, tuned, mode):
                 continue
         if tuned is None:
             continue
@@ -104,3 +146,19 @@ def attach(report: dict[str, Any], tune: dict[str, Any]) -> None:
             tpot = lv.get("tpot_ms_p50")
             lv["step_error"] = (tpot * served / (1e3 * batch * offline / pred) - 1
                                 if pred and offline and served and tpot else None)
+    _attach_speedups(report)
+
+
+def _attach_speedups(report: dict[str, Any]) -> None:
+    ar = next((r for r in report["results"] if r["mode"] == "ar" and r.get("status") == "ok"), None)
+    ar_pred = {lv["concurrency"]: lv.get("predicted_tok_s") for lv in (ar["levels"] if ar else [])}
+    for row in report["results"]:
+        if row is ar or row.get("status") != "ok":
+            continue
+        for lv in row["levels"]:
+            if "predicted_tok_s" not in lv:
+                continue
+            pred, base, measured = lv["predicted_tok_s"], ar_pred.get(lv["concurrency"]), lv.get("ratio_vs_ar")
+            lv["predicted_speedup"] = pred / base if pred and base else None
+            lv["speedup_error"] = (lv["predicted_speedup"] / measured - 1
+                                   if lv["predicted_speedup"] and measured else None)

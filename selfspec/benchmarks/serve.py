@@ -32,6 +32,7 @@ JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
      "temperature": float, "concurrency": [int], "device": "cpu" | "cuda", "genai_bench": bool,
      "results": [{"mode": str, "status": "ok" | "skipped" | "error", "reason": str | null,
                   "server_args": [str], "startup_s": float,
+                  "selfspec_plan": dict | null,                # the width plan in its --selfspec-config
                   "levels": [{"concurrency": int, "requests": int, "tokens": int, "wall_s": float,
                               "output_tok_s": float, "tpot_ms_p50": float, "tpot_ms_p99": float,
                               "ttft_ms_p50": float, "tpf": float | null, "ratio_vs_ar": float | null,
@@ -47,7 +48,9 @@ JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
                                           | null,             # null: the server returned no token ids
                               # with --predictions TUNE.json (AR and the rows served with its plans):
                               "predicted_tok_s": float | null, "prediction_error": float | null,
-                              "step_error": float | null}],
+                              "step_error": float | null,
+                              # not on the AR row: predicted / AR's predicted, and over ratio_vs_ar - 1
+                              "predicted_speedup": float | null, "speedup_error": float | null}],
                   "notes": [str]}],                           # e.g. NGRAM's greedy verify under sampling
      "predictions": str}                                      # the tune report, with --predictions
 """
@@ -447,7 +450,7 @@ def _bench_mode(run: ModeRun, args, model_dir, all_prompts, levels, log_dir, use
     mode, label = run.mode, run.label
     extra, skip = _mode_extra(run, args, model_dir)
     row: dict[str, Any] = {"mode": mode, "label": label, "status": "ok", "reason": None, "server_args": extra or [], "levels": [],
-                           "notes": []}
+                           "notes": [], "selfspec_plan": predictions.served_plan(extra or [])}
     if skip:
         row.update(status="skipped", reason=skip)
         print(f"[bench serve] {label}: skipped ({skip})", file=sys.stderr)
@@ -505,7 +508,7 @@ def format_table(report: dict) -> str:
             "NL req tok/s", "NL xAR", "NL TPF"]
     with_pred = any("predicted_tok_s" in lv for r in report["results"] for lv in r.get("levels", []))
     if with_pred:
-        head += ["pred tok/s", "pred err", "step err"]
+        head += ["pred tok/s", "pred err", "step err", "pred xAR", "xAR err"]
     rows, tails = [head], [""]
     for r in report["results"]:
         if r["status"] != "ok":
@@ -522,7 +525,8 @@ def format_table(report: dict) -> str:
                 "-" if loops is None else f"{loops}/{lv['requests']}", num(lv.get("per_request_tok_s"), ".1f"),
                 num(nl.get("tokens_per_s"), ".1f"), num(nl.get("ratio_vs_ar"), ".2f"), num(nl.get("tpf"), ".2f"),
             ] + ([num(lv.get("predicted_tok_s"), ".1f"), num(lv.get("prediction_error"), "+.0%"),
-                  num(lv.get("step_error"), "+.0%")] if with_pred else []))
+                  num(lv.get("step_error"), "+.0%"), num(lv.get("predicted_speedup"), ".2f"),
+                  num(lv.get("speedup_error"), "+.0%")] if with_pred else []))
             tails.append("".join(f"  [{n.split(':')[0]}]" for n in r.get("notes") or []))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [" ".join(row[0].ljust(widths[0]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
@@ -532,7 +536,9 @@ def format_table(report: dict) -> str:
     if with_pred:
         lines.append("pred: the tuner's predicted tok/s for the plan's bucket at batch min(C, requests) (a steady "
                      "batch, no prefill); pred err: predicted / measured - 1; step err: measured step (TPOT p50 x "
-                     "tokens per step served) / predicted step - 1, the cost model alone")
+                     "tokens per step served) / predicted step - 1, the cost model alone; pred xAR: predicted "
+                     "over AR's predicted, xAR err: that over the measured xAR - 1 (the machine's drift since the "
+                     "tune cancels)")
     for r in report["results"]:
         for note in r.get("notes") or []:
             lines.append(f"note ({r['mode']}): {note}")

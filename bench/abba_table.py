@@ -1,0 +1,92 @@
+"""ABBA means of a `selfspec bench serve` report, with the tuner's predicted speed-ups beside them.
+
+This VM's speed drifts by more than the differences worth measuring (AR at C=1 read 95-148 tok/s
+in one session), so comparisons of record run every configuration twice in mirrored order
+(`--modes ar,ngram,a=isd,b=isd,b2=isd,a2=isd,ngram2=ngram,ar2=ar`): a row labelled X and one
+labelled X2 are the same configuration, and each cell here is their mean. Ratios are of means at
+the same concurrency, for all outputs and for the non-looping ones (tokens over the sum of their
+latencies). With `--predictions TUNE.json` (what `selfspec tune --json` wrote), each row served
+with one of its plans also gets the predicted speed-up over AR and its error against the
+measured one (`selfspec.benchmarks.predictions`).
+
+    python bench/abba_table.py bench/results/serve-greedy-m.json --predictions bench/results/tune-vm-isd-m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from typing import Any
+
+
+def _base(label: str, labels: set[str]) -> str:
+    return label[:-1] if label.endswith("2") and label[:-1] in labels else label
+
+
+def abba_means(report: dict[str, Any]) -> dict[str, dict[int, dict[str, float | None]]]:
+    """label -> concurrency -> mean output tok/s, mean non-looping tok/s and TPF, over the row
+    and its mirrored twin."""
+    rows = [r for r in report["results"] if r.get("status") == "ok"]
+    labels = {r.get("label", r["mode"]) for r in rows}
+    cells: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        for lv in r["levels"]:
+            cells[_base(r.get("label", r["mode"]), labels)][lv["concurrency"]].append(lv)
+
+    def mean(values: list[float | None]) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.mean(values) if values else None
+
+    return {label: {c: {"tok_s": mean([lv["output_tok_s"] for lv in lvs]),
+                        "non_loop_tok_s": mean([(lv.get("non_loop") or {}).get("tokens_per_s") for lv in lvs]),
+                        "tpf": mean([lv.get("tpf") for lv in lvs]),
+                        "predicted_tok_s": mean([lv.get("predicted_tok_s") for lv in lvs]),
+                        "runs": len(lvs)}
+                    for c, lvs in sorted(by_c.items())}
+            for label, by_c in cells.items()}
+
+
+def table(report: dict[str, Any]) -> str:
+    means = abba_means(report)
+    ar, ngram = means.get("ar", {}), means.get("ngram", {})
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}" if a and b else "-"
+
+    head = ["row", "C", "runs", "tok/s", "TPF", "xAR", "xAR NL", "xNGRAM", "xNGRAM NL", "pred xAR", "xAR err"]
+    out = [head]
+    for label, by_c in means.items():
+        for c, m in by_c.items():
+            a, n = ar.get(c, {}), ngram.get(c, {})
+            pred, ar_pred = m["predicted_tok_s"], a.get("predicted_tok_s")
+            speedup = pred / ar_pred if pred and ar_pred and label != "ar" else None
+            measured = m["tok_s"] / a["tok_s"] if a.get("tok_s") else None
+            out.append([label, str(c), str(m["runs"]), f"{m['tok_s']:.0f}", f"{m['tpf']:.2f}" if m["tpf"] else "-",
+                        ratio(m["tok_s"], a.get("tok_s")), ratio(m["non_loop_tok_s"], a.get("non_loop_tok_s")),
+                        ratio(m["tok_s"], n.get("tok_s")), ratio(m["non_loop_tok_s"], n.get("non_loop_tok_s")),
+                        f"{speedup:.2f}" if speedup else "-",
+                        f"{speedup / measured - 1:+.0%}" if speedup and measured else "-"])
+    widths = [max(len(row[i]) for row in out) for i in range(len(head))]
+    return "\n".join(" ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
+                     for row in out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("report", help="a `selfspec bench serve --json` report")
+    p.add_argument("--predictions", default=None, metavar="TUNE.json",
+                   help="a `selfspec tune --json` report: attach its predictions first (as --predictions does)")
+    args = p.parse_args()
+    with open(args.report) as f:
+        report = json.load(f)
+    if args.predictions:
+        from selfspec.benchmarks import predictions
+
+        predictions.attach(report, predictions.load(args.predictions))
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()
