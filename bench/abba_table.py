@@ -3,7 +3,7 @@
 This VM's speed drifts by more than the differences worth measuring (AR at C=1 read 95-148 tok/s
 in one session), so comparisons of record run every configuration twice in mirrored order
 (`--modes ar,ngram,a=isd,b=isd,b2=isd,a2=isd,ngram2=ngram,ar2=ar`): a row labelled X and one
-labelled X2 are the same configuration, and each cell here is their mean. Ratios are of means at
+labelled X2 or X-2 are the same configuration, and each cell here is their mean. Ratios are of means at
 the same concurrency, for all outputs and for the non-looping ones (tokens over the sum of their
 latencies). With `--predictions TUNE.json` (what `selfspec tune --json` wrote), each row served
 with one of its plans also gets the predicted speed-up over AR and its error against the
@@ -22,7 +22,11 @@ from typing import Any
 
 
 def _base(label: str, labels: set[str]) -> str:
-    return label[:-1] if label.endswith("2") and label[:-1] in labels else label
+    """The row a mirrored twin repeats: X2 or X-2 of a label X in the report."""
+    for suffix in ("-2", "2"):
+        if label.endswith(suffix) and label[: -len(suffix)] in labels:
+            return label[: -len(suffix)]
+    return label
 
 
 def abba_means(report: dict[str, Any]) -> dict[str, dict[int, dict[str, float | None]]]:

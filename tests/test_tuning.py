@@ -48,20 +48,29 @@ def test_roofline_narrows_with_the_batch_and_buckets_follow():
         assert parsed.greedy[parsed.bucket(c.batch, False)].options == c.best.options
 
 
-def test_a_near_tie_keeps_the_previous_choice():
-    # stride 2 beats AR by 1% at batch 2 only: within the stickiness, batch 2 stays with batch 1's AR
+def test_a_near_tie_goes_to_the_narrower():
+    # stride 2 beats AR by 1% at batch 2 only: within the tolerance, batch 2 runs AR steps
     cands = [CANDIDATES[0], Candidate("isd", {"stride": 2}, 3, {"greedy": 1.0, "sampled": 1.0})]
     costs = CostTable([1, 2, 3], [1, 3], [[10.0, 11.0], [10.0, 9.9], [10.0, 11.0]])
-    assert [c.best.mode for c in choose(costs, cands, "greedy", 3, stickiness=0.0, margin=0.0)] == ["ar", "isd", "ar"]
+    assert [c.best.mode for c in choose(costs, cands, "greedy", 3, tolerance=0.0, margin=0.0)] == ["ar", "isd", "ar"]
     assert [c.best.mode for c in choose(costs, cands, "greedy", 3, margin=0.0)] == ["ar", "ar", "ar"]
+    # two speculative candidates 2% apart: the narrower wins whichever is ahead, and whatever
+    # the batch before chose (the wide one, clearly ahead at batch 1)
+    wide = Candidate("isd", {"stride": 4}, 7, {"greedy": 3.0})
+    narrow = Candidate("isd", {"stride": 3}, 5, {"greedy": 2.0})
+    costs = CostTable([1, 2, 3], [1, 5, 7], [[9.0, 10.0, 10.0], [9.0, 10.0, 15.3], [9.0, 10.0, 14.7]])
+    picked = choose(costs, [CANDIDATES[0], narrow, wide], "greedy", 3, margin=0.0)
+    assert [c.best.width for c in picked] == [7, 5, 5]
+    assert [c.best.width for c in choose(costs, [CANDIDATES[0], narrow, wide], "greedy", 3, tolerance=0.0,
+                                         margin=0.0)] == [7, 5, 7]
 
 
 def test_speculation_must_beat_ar_by_the_margin():
     # stride 2 predicted 5% faster than AR at batch 1 and 20% at batch 2: only batch 2 speculates
     cands = [CANDIDATES[0], Candidate("isd", {"stride": 2}, 3, {"greedy": 1.0, "sampled": 1.0})]
     costs = CostTable([1, 2], [1, 3], [[10.5, 10.0], [12.0, 10.0]])
-    assert [c.best.mode for c in choose(costs, cands, "greedy", 2, stickiness=0.0)] == ["ar", "isd"]
-    assert [c.best.mode for c in choose(costs, cands, "greedy", 2, stickiness=0.0, margin=0.0)] == ["isd", "isd"]
+    assert [c.best.mode for c in choose(costs, cands, "greedy", 2, tolerance=0.0)] == ["ar", "isd"]
+    assert [c.best.mode for c in choose(costs, cands, "greedy", 2, tolerance=0.0, margin=0.0)] == ["isd", "isd"]
 
 
 def test_greedy_only_candidates_never_serve_sampled_batches():

@@ -4,9 +4,11 @@ A step of batch b where every request runs candidate c costs T(b, width_c) + ove
 (the forward, then what a server step costs besides, `cost.StepOverhead`) and commits
 b · tokens_per_step_c tokens, so its throughput is b · tokens_per_step_c / (T + overhead).
 Every batch size from 1 to `max_batch` gets its best candidate; runs of equal choices become
-one bucket, the last one open. A batch size keeps the previous size's choice while that is within
-`stickiness` of the best (the measured costs are noisy; a plan should not flip between two
-near-equal widths from one batch size to the next). And a speculative candidate is chosen over
+one bucket, the last one open. Among candidates predicted within `tolerance` of the best, the
+narrowest is chosen: the costs are noisy and the error of a prediction grows with the query
+tokens it prices (at batch 16 the tuner put a 4-token lookup 3% ahead of an 8-token one, kept
+the 8 because batch 15 had chosen it, and served, the 4 ran 14% faster: README "Predicted
+speed-ups and the narrower of near-ties"). And a speculative candidate is chosen over
 plain AR steps only if it is predicted `margin` faster: the whole prediction (costs, acceptance
 on the tuner's prompts) is off by up to ~15% served, and a plan that speculates for a predicted
 +5% measured 0.89x AR (README "Context candidates across requests"). The choice for greedy
@@ -42,8 +44,9 @@ def throughput(costs: CostTable, cand: Candidate, kind: str, batch: int,
 
 
 def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: int,
-           overhead: StepOverhead | None = None, stickiness: float = 0.03, margin: float = 0.10) -> list[Choice]:
-    """The best candidate at every batch size 1 … max_batch (ties: the narrower)."""
+           overhead: StepOverhead | None = None, tolerance: float = 0.03, margin: float = 0.10) -> list[Choice]:
+    """The chosen candidate at every batch size 1 … max_batch: the narrowest predicted within
+    `tolerance` of the best, AR's prediction raised by `margin` first."""
     out: list[Choice] = []
     for b in range(1, max_batch + 1):
         scores = {c.label: throughput(costs, c, kind, b, overhead) for c in candidates}
@@ -51,13 +54,12 @@ def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: 
         if not usable:
             raise ValueError(f"no candidate can serve {kind} batches")
 
-        def rank(c: Candidate) -> tuple[float, int]:  # AR steps get the benefit of the doubt
-            return scores[c.label] * (1.0 + margin if c.mode == "ar" else 1.0), -c.width
+        def ranked(c: Candidate) -> float:  # AR steps get the benefit of the doubt
+            return scores[c.label] * (1.0 + margin if c.mode == "ar" else 1.0)
 
-        best = max(usable, key=rank)
-        if out and scores[out[-1].best.label] >= (1.0 - stickiness) * scores[best.label]:
-            best = out[-1].best
-        out.append(Choice(b, best, scores))
+        top = max(ranked(c) for c in usable)
+        near = [c for c in usable if ranked(c) >= (1.0 - tolerance) * top]
+        out.append(Choice(b, min(near, key=lambda c: (c.width, -ranked(c))), scores))
     return out
 
 
