@@ -47,6 +47,9 @@ def abba_means(report: dict[str, Any]) -> dict[str, dict[int, dict[str, float | 
                         "non_loop_tok_s": mean([(lv.get("non_loop") or {}).get("tokens_per_s") for lv in lvs]),
                         "tpf": mean([lv.get("tpf") for lv in lvs]),
                         "predicted_tok_s": mean([lv.get("predicted_tok_s") for lv in lvs]),
+                        # the two runs' difference over their mean: this VM's noise on the cell
+                        "spread": (max(lv["output_tok_s"] for lv in lvs) - min(lv["output_tok_s"] for lv in lvs))
+                        / mean([lv["output_tok_s"] for lv in lvs]),
                         "runs": len(lvs)}
                     for c, lvs in sorted(by_c.items())}
             for label, by_c in cells.items()}
@@ -59,7 +62,7 @@ def table(report: dict[str, Any]) -> str:
     def ratio(a: float | None, b: float | None) -> str:
         return f"{a / b:.2f}" if a and b else "-"
 
-    head = ["row", "C", "runs", "tok/s", "TPF", "xAR", "xAR NL", "xNGRAM", "xNGRAM NL", "pred xAR", "xAR err"]
+    head = ["row", "C", "runs", "tok/s", "spread", "TPF", "xAR", "xAR NL", "xNGRAM", "xNGRAM NL", "pred xAR", "xAR err"]
     out = [head]
     for label, by_c in means.items():
         for c, m in by_c.items():
@@ -67,7 +70,8 @@ def table(report: dict[str, Any]) -> str:
             pred, ar_pred = m["predicted_tok_s"], a.get("predicted_tok_s")
             speedup = pred / ar_pred if pred and ar_pred and label != "ar" else None
             measured = m["tok_s"] / a["tok_s"] if a.get("tok_s") else None
-            out.append([label, str(c), str(m["runs"]), f"{m['tok_s']:.0f}", f"{m['tpf']:.2f}" if m["tpf"] else "-",
+            out.append([label, str(c), str(m["runs"]), f"{m['tok_s']:.0f}", f"{m['spread']:.0%}",
+                        f"{m['tpf']:.2f}" if m["tpf"] else "-",
                         ratio(m["tok_s"], a.get("tok_s")), ratio(m["non_loop_tok_s"], a.get("non_loop_tok_s")),
                         ratio(m["tok_s"], n.get("tok_s")), ratio(m["non_loop_tok_s"], n.get("non_loop_tok_s")),
                         f"{speedup:.2f}" if speedup else "-",
