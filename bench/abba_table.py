@@ -81,11 +81,42 @@ def table(report: dict[str, Any]) -> str:
                      for row in out)
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The README's form: per row and concurrency, x AR (non-looping x AR) [x NGRAM all /
+    non-looping] and the spread of its two runs; AR's row in tok/s; TPF per level last."""
+    means = abba_means(report)
+    ar, ngram = means.get("ar", {}), means.get("ngram", {})
+    levels = sorted({c for by_c in means.values() for c in by_c})
+    lines = ["| | " + " | ".join(f"C={c}" for c in levels) + " | TPF " + " / ".join(map(str, levels)) + " |",
+             "|---" * (len(levels) + 2) + "|"]
+
+    def r(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}" if a and b else "-"
+
+    for label, by_c in means.items():
+        cells = []
+        for c in levels:
+            m, a, n = by_c.get(c), ar.get(c, {}), ngram.get(c, {})
+            if m is None:
+                cells.append("-")
+            elif label == "ar":
+                cells.append(f"{m['tok_s']:.0f} (±{m['spread']:.0%})")
+            else:
+                vs_ngram = "" if label == "ngram" else f" [{r(m['tok_s'], n.get('tok_s'))} / " \
+                    f"{r(m['non_loop_tok_s'], n.get('non_loop_tok_s'))}]"
+                cells.append(f"{r(m['tok_s'], a.get('tok_s'))} ({r(m['non_loop_tok_s'], a.get('non_loop_tok_s'))})"
+                             f"{vs_ngram} ±{m['spread']:.0%}")
+        tpf = " / ".join(f"{by_c[c]['tpf']:.2f}" if c in by_c and by_c[c]["tpf"] else "-" for c in levels)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {tpf} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("report", help="a `selfspec bench serve --json` report")
     p.add_argument("--predictions", default=None, metavar="TUNE.json",
                    help="a `selfspec tune --json` report: attach its predictions first (as --predictions does)")
+    p.add_argument("--markdown", action="store_true", help="the README's table form instead")
     args = p.parse_args()
     with open(args.report) as f:
         report = json.load(f)
@@ -93,7 +124,7 @@ def main() -> None:
         from selfspec.benchmarks import predictions
 
         predictions.attach(report, predictions.load(args.predictions))
-    print(table(report))
+    print(markdown(report) if args.markdown else table(report))
 
 
 if __name__ == "__main__":
