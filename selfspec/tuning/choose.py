@@ -46,7 +46,8 @@ def throughput(costs: CostTable, cand: Candidate, kind: str, batch: int,
 def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: int,
            overhead: StepOverhead | None = None, tolerance: float = 0.03, margin: float = 0.10) -> list[Choice]:
     """The chosen candidate at every batch size 1 … max_batch: the narrowest predicted within
-    `tolerance` of the best, AR's prediction raised by `margin` first."""
+    `tolerance` of the best, AR's prediction raised by `margin` first (so AR steps win unless a
+    candidate is predicted (1 + margin) / (1 − tolerance) times as fast)."""
     out: list[Choice] = []
     for b in range(1, max_batch + 1):
         scores = {c.label: throughput(costs, c, kind, b, overhead) for c in candidates}
