@@ -249,9 +249,10 @@ def test_fit_overhead_recovers_the_served_step_cost():
 
 @pytest.mark.server
 def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, monkeypatch):
-    """One server of a greedy-only mode under the calibration plan: AR steps timed at batch 2,
-    the candidate's verify steps at batch 1 (its sampled batches are never sent: the mode
-    refuses them), and the fitted overhead prices a wide step above an AR step."""
+    """Servers of a greedy-only mode: AR steps timed at batch 1 under an AR-only plan, then at
+    batch 2 under the calibration plan, the candidate's verify steps at batch 1 (its sampled
+    batches are never sent: the mode refuses them), and the fitted overhead prices a wide step
+    above an AR step."""
     from selfspec.tuning import calibrate
 
     monkeypatch.setattr(calibrate, "LONG", 64)  # fewer tokens: the test times, it does not tune
@@ -262,7 +263,9 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
                                     temperature=0.7, log_dir=str(tmp_path))
     greedy, sampled = out["greedy"], out["sampled"]
     assert set(greedy.measured) == {"ar", "verify@5"}
-    assert set(greedy.measured["ar"]) == {2} and set(greedy.measured["verify@5"]) == {1}
+    assert set(greedy.measured["ar"]) == {1, 2} and set(greedy.measured["verify@5"]) == {1}
+    # batch 1's AR step is measured, not extrapolated from batch 2
+    assert greedy.ms(1) == pytest.approx(max(greedy.measured["ar"][1] - costs.time_ms(1, 1), 0.0))
     assert all(ms > 1.0 for steps in greedy.measured.values() for ms in steps.values())
     assert greedy.ms(2) == pytest.approx(greedy.measured["ar"][2] - costs.time_ms(2, 1))
     # the fitted model gives back the measured verify step (never below the AR step's price)
@@ -271,3 +274,5 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     assert sampled.ar_ms == greedy.ar_ms and not sampled.verify_ms  # greedy-only: sampled batches run AR
     plan = (tmp_path / "calibration.yaml").read_text()
     assert "online: false" in plan and "block_size: 4" in plan
+    ar_plan = (tmp_path / "calibration-ar.yaml").read_text()
+    assert "online: false" in ar_plan and "jacobi" not in ar_plan.split("plan:")[1]

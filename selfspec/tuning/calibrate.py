@@ -11,6 +11,11 @@ and a long length are timed; (long − short) wall time over (long − short) fo
 batch, free of prefill and HTTP set-up. What the step costs beyond the grid's forward is split
 as `cost.StepOverhead` prices it: the AR step's excess by batch, and the verify step's excess
 over that by its query tokens, batch · width.
+
+The AR step at batch 1 is timed on a second server of the mode whose plan is AR steps alone (one
+plan maps a batch size to one bucket, and the first plan's batch 1 is the verify candidate's):
+extrapolated from batch 2, it was priced 9.9 ms where the served step took 8.1, which made every
+predicted speed-up at C=1 too high (README "Predicted speed-ups and the narrower of near-ties").
 """
 
 from __future__ import annotations
@@ -42,6 +47,12 @@ def calibration_batches(batch_sizes: list[int]) -> tuple[list[int], list[int]]:
             ar.append(a)
             verify.append(a + 1)
     return ar, verify
+
+
+def ar_only_plan() -> dict:
+    """The second calibration server's plan: AR steps at every batch, greedy and sampled."""
+    return {"greedy": [{"max_batch": None, "mode": "ar"}], "sampled": [{"max_batch": None, "mode": "ar"}],
+            "online": False}
 
 
 def calibration_plan(ar_batches: list[int], verify_batches: list[int], greedy: Candidate | None,
@@ -113,7 +124,8 @@ def middle_width(cands: list[Candidate], kind: str) -> Candidate | None:
 def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candidate], prompt: list[int],
                     batch_sizes: list[int], temperature: float, threads: int = 1, log_dir: str | None = None,
                     progress=None) -> dict[str, StepOverhead]:
-    """Serve `model` under `mode` with the calibration plan; the overhead per sampling kind."""
+    """Serve `model` under `mode` with an AR-only plan (AR steps at batch 1), then with the
+    calibration plan; the overhead per sampling kind."""
     import yaml
 
     from selfspec.serving import ServerProcess, ServerSpec, server_threads
@@ -122,27 +134,41 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
     chosen = {"greedy": middle_width(cands, "greedy"), "sampled": middle_width(cands, "sampled")}
     work = Path(log_dir or tempfile.mkdtemp(prefix="selfspec-tune-"))
     work.mkdir(parents=True, exist_ok=True)
-    plan = work / "calibration.yaml"
-    plan.write_text(yaml.safe_dump({"mode": mode.upper(), "plan": calibration_plan(
-        ar_batches, verify_batches, chosen["greedy"], chosen["sampled"])}))
-    args = ["--speculative-algorithm", mode.upper(), "--selfspec-config", str(plan),
-            "--max-running-requests", str(max(ar_batches + verify_batches))]
-    out: dict[str, StepOverhead] = {}
-    with server_threads(threads), ServerProcess(ServerSpec(model, port=None, extra_args=args),
-                                              log_path=work / "server.log", startup_timeout=900) as server:
-        _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
-        for kind, temp in (("greedy", 0.0), ("sampled", temperature)):
-            cand = chosen[kind]
-            if cand is None and kind == "sampled":  # a greedy-only mode: its sampled batches run AR steps
-                out[kind] = StepOverhead(ar_ms=dict(out["greedy"].ar_ms))
+    kinds = (("greedy", 0.0), ("sampled", temperature))
+
+    def serve(name: str, plan: dict, max_batch: int):
+        path = work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"mode": mode.upper(), "plan": plan}))
+        args = ["--speculative-algorithm", mode.upper(), "--selfspec-config", str(path),
+                "--max-running-requests", str(max_batch)]
+        return ServerProcess(ServerSpec(model, port=None, extra_args=args), log_path=work / f"{name}.log",
+                             startup_timeout=900)
+
+    ar_one: dict[str, float] = {}  # kind -> AR step ms at batch 1
+    with server_threads(threads):
+        with serve("calibration-ar", ar_only_plan(), 1) as server:
+            _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
+            for kind, temp in kinds:
+                if kind == "greedy" or chosen[kind] is not None:  # a greedy-only mode's sampled rows: greedy's
+                    ar_one[kind] = step_ms(server.base_url, prompt, 1, temp)
+                if progress is not None:
+                    progress.update(1)
+        out: dict[str, StepOverhead] = {}
+        plan = calibration_plan(ar_batches, verify_batches, chosen["greedy"], chosen["sampled"])
+        with serve("calibration", plan, max(ar_batches + verify_batches)) as server:
+            _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
+            for kind, temp in kinds:
+                cand = chosen[kind]
+                if cand is None and kind == "sampled":  # a greedy-only mode: its sampled batches run AR steps
+                    out[kind] = StepOverhead(ar_ms=dict(out["greedy"].ar_ms))
+                    if progress is not None:
+                        progress.update(len(ar_batches))
+                    continue
+                ar = {1: ar_one[kind], **{a: step_ms(server.base_url, prompt, a, temp) for a in ar_batches}}
+                verify = {v: step_ms(server.base_url, prompt, v, temp) for v in verify_batches} if cand else {}
                 if progress is not None:
                     progress.update(len(ar_batches))
-                continue
-            ar = {a: step_ms(server.base_url, prompt, a, temp) for a in ar_batches}
-            verify = {v: step_ms(server.base_url, prompt, v, temp) for v in verify_batches} if cand else {}
-            if progress is not None:
-                progress.update(len(ar_batches))
-            out[kind] = fit_overhead(costs, ar, verify, cand.width if cand is not None else 1)
+                out[kind] = fit_overhead(costs, ar, verify, cand.width if cand is not None else 1)
     return out
 
 

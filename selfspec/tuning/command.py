@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         widths.append(widest)
     from selfspec.tuning.calibrate import calibration_batches, server_overhead
 
-    calibrate = calibration_batches(batch_sizes)[0] if overhead is None else []
+    # AR steps timed at the calibration's batches, and at batch 1 on its AR-only server
+    calibrate = [1, *calibration_batches(batch_sizes)[0]] if overhead is None else []
     total = (cost.GRID_PASSES * len(batch_sizes) * len(widths) + sum(len(c) * len(samplings) for c in cands.values())
              + len(calibrate) * len(samplings) * len(modes))
     t0 = time.perf_counter()
