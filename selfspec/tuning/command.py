@@ -10,8 +10,8 @@ batches with sampled rows apart), plain AR steps included. The forward cost is m
 HF engine with `--threads` torch threads (default 1, what `selfspec bench serve` gives each CPU
 server process) and `--dtype` (default float32, what `selfspec serve` uses on a CPU). What a
 served step costs besides the forward (scheduling, bookkeeping, the extend path and verify rules
-of a wide step) is measured on a real server of the mode running AR and verify steps at a few
-batch sizes (`calibrate.py`; about a minute per mode), or given with
+of a wide step) is measured on real servers of the mode running AR and verify steps at a few
+batch sizes (`calibrate.py`: two servers, about two minutes per mode), or given with
 `--step-overhead-ms BASE[,PER_REQUEST]` (0 for the offline engine).
 """
 
