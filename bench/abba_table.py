@@ -46,7 +46,7 @@ def abba_means(report: dict[str, Any]) -> dict[str, dict[int, dict[str, float | 
     return {label: {c: {"tok_s": mean([lv["output_tok_s"] for lv in lvs]),
                         "non_loop_tok_s": mean([(lv.get("non_loop") or {}).get("tokens_per_s") for lv in lvs]),
                         "tpf": mean([lv.get("tpf") for lv in lvs]),
-                        "predicted_tok_s": mean([lv.get("predicted_tok_s") for lv in lvs]),
+                        "predicted_speedup": mean([lv.get("predicted_speedup") for lv in lvs]),
                         # the two runs' difference over their mean: this VM's noise on the cell
                         "spread": (max(lv["output_tok_s"] for lv in lvs) - min(lv["output_tok_s"] for lv in lvs))
                         / mean([lv["output_tok_s"] for lv in lvs]),
@@ -55,25 +55,24 @@ def abba_means(report: dict[str, Any]) -> dict[str, dict[int, dict[str, float | 
             for label, by_c in cells.items()}
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
 def table(report: dict[str, Any]) -> str:
     means = abba_means(report)
     ar, ngram = means.get("ar", {}), means.get("ngram", {})
-
-    def ratio(a: float | None, b: float | None) -> str:
-        return f"{a / b:.2f}" if a and b else "-"
-
     head = ["row", "C", "runs", "tok/s", "spread", "TPF", "xAR", "xAR NL", "xNGRAM", "xNGRAM NL", "pred xAR", "xAR err"]
     out = [head]
     for label, by_c in means.items():
         for c, m in by_c.items():
             a, n = ar.get(c, {}), ngram.get(c, {})
-            pred, ar_pred = m["predicted_tok_s"], a.get("predicted_tok_s")
-            speedup = pred / ar_pred if pred and ar_pred and label != "ar" else None
+            speedup = m["predicted_speedup"]
             measured = m["tok_s"] / a["tok_s"] if a.get("tok_s") else None
             out.append([label, str(c), str(m["runs"]), f"{m['tok_s']:.0f}", f"{m['spread']:.0%}",
                         f"{m['tpf']:.2f}" if m["tpf"] else "-",
-                        ratio(m["tok_s"], a.get("tok_s")), ratio(m["non_loop_tok_s"], a.get("non_loop_tok_s")),
-                        ratio(m["tok_s"], n.get("tok_s")), ratio(m["non_loop_tok_s"], n.get("non_loop_tok_s")),
+                        _ratio(m["tok_s"], a.get("tok_s")), _ratio(m["non_loop_tok_s"], a.get("non_loop_tok_s")),
+                        _ratio(m["tok_s"], n.get("tok_s")), _ratio(m["non_loop_tok_s"], n.get("non_loop_tok_s")),
                         f"{speedup:.2f}" if speedup else "-",
                         f"{speedup / measured - 1:+.0%}" if speedup and measured else "-"])
     widths = [max(len(row[i]) for row in out) for i in range(len(head))]
@@ -90,9 +89,6 @@ def markdown(report: dict[str, Any]) -> str:
     lines = ["| | " + " | ".join(f"C={c}" for c in levels) + " | TPF " + " / ".join(map(str, levels)) + " |",
              "|---" * (len(levels) + 2) + "|"]
 
-    def r(a: float | None, b: float | None) -> str:
-        return f"{a / b:.2f}" if a and b else "-"
-
     for label, by_c in means.items():
         cells = []
         for c in levels:
@@ -102,9 +98,9 @@ def markdown(report: dict[str, Any]) -> str:
             elif label == "ar":
                 cells.append(f"{m['tok_s']:.0f} (±{m['spread']:.0%})")
             else:
-                vs_ngram = "" if label == "ngram" else f" [{r(m['tok_s'], n.get('tok_s'))} / " \
-                    f"{r(m['non_loop_tok_s'], n.get('non_loop_tok_s'))}]"
-                cells.append(f"{r(m['tok_s'], a.get('tok_s'))} ({r(m['non_loop_tok_s'], a.get('non_loop_tok_s'))})"
+                vs_ngram = "" if label == "ngram" else f" [{_ratio(m['tok_s'], n.get('tok_s'))} / " \
+                    f"{_ratio(m['non_loop_tok_s'], n.get('non_loop_tok_s'))}]"
+                cells.append(f"{_ratio(m['tok_s'], a.get('tok_s'))} ({_ratio(m['non_loop_tok_s'], a.get('non_loop_tok_s'))})"
                              f"{vs_ngram} ±{m['spread']:.0%}")
         tpf = " / ".join(f"{by_c[c]['tpf']:.2f}" if c in by_c and by_c[c]["tpf"] else "-" for c in levels)
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {tpf} |")

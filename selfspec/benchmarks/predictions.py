@@ -70,14 +70,14 @@ def _serves(row: dict[str, Any], tuned: dict[str, Any], mode: str) -> bool:
 def served_plan(server_args: list[str]) -> Any:
     """The width plan in the row's `--selfspec-config` file (None: no config or no plan in it),
     read when the row is served."""
-    from selfspec.sglang_ext.config import load_yaml_config
+    from selfspec.sglang_ext.config import SelfSpecConfigError, load_yaml_config
 
     config = _config_of(server_args)
     if config is None:
         return None
     try:
         return load_yaml_config(config).get("plan")
-    except Exception:  # the server start-up reports a bad config; the bench only records
+    except SelfSpecConfigError:  # the server's start-up reports a bad config; the bench only records
         return None
 
 
