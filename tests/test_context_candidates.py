@@ -273,18 +273,21 @@ def test_a_weak_match_drafts_a_short_candidate():
     short, one found by a long suffix of the request's own text is not; the caps are a mode
     option (`context_caps`, off by default), and without them the same lookups draft the full
     length."""
-    from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, WEAK_MATCH_CAPS, context_index
+    from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, WEAK_MATCH_CAPS, NgramConfig, context_index
+
+    def lookup(caps: bool) -> NgramConfig:
+        return NgramConfig(16, CONTEXT_MATCH_SIZES, corpus=True, caps=caps)
 
     corpus = SharedCorpus()
     corpus.append(corpus.open(), [90, 9] + list(range(100, 130)))  # token 9 then a long run
     lone = DecodeSequence([1, 2, 3, 9])  # only its last token (9) recurs, in the other document
-    weak = context_index(lone, 16, CONTEXT_MATCH_SIZES, corpus, use_corpus=True, weak_caps=True)
+    weak = context_index(lone, lookup(True), corpus)
     assert weak.propose(lone.history, 16) == list(range(100, 100 + WEAK_MATCH_CAPS[(False, 1)]))
-    uncapped = context_index(DecodeSequence([1, 2, 3, 9]), 16, CONTEXT_MATCH_SIZES, corpus, True, weak_caps=False)
+    uncapped = context_index(DecodeSequence([1, 2, 3, 9]), lookup(False), corpus)
     assert uncapped.propose(lone.history, 16) == list(range(100, 116))
     loop = list(range(40, 50))
     own = DecodeSequence(loop * 2)  # a 10-token own suffix recurs: a strong match
-    strong = context_index(own, 16, CONTEXT_MATCH_SIZES, corpus, use_corpus=True, weak_caps=True)
+    strong = context_index(own, lookup(True), corpus)
     assert strong.propose(own.history, 16) == (loop * 2)[:16]
     from selfspec.decoding.isd import ISDConfig, ISDMode
 

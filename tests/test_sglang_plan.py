@@ -1,5 +1,5 @@
 """A width plan served by stock SGLang (`--selfspec-config` with a `plan:`): each decode step
-runs the bucket of its batch size (ISD with candidates, lookup steps (stride 1), plain AR steps
+runs the bucket of its batch size (ISD with candidates, lookup steps (`mode: ngram`), plain AR steps
 at mid sizes, stride 2 above), and the output stays exactly AR's when the width changes between steps
 (sequential requests, a 16-request burst whose batch grows and shrinks), sampled output
 follows the AR server's sampling; the log reports each step's width, and /server_info what the
@@ -22,7 +22,8 @@ from sglang_fixtures import (
 
 pytestmark = pytest.mark.server
 
-PLAN = [{"max_batch": 2, "stride": 3, "context_tokens": 4}, {"max_batch": 5, "stride": 1, "context_tokens": 4},
+PLAN = [{"max_batch": 2, "stride": 3, "context_tokens": 4},
+        {"max_batch": 5, "mode": "ngram", "num_draft": 4, "match_sizes": [8, 6, 4, 3, 2, 1], "corpus": True},
         {"max_batch": 8, "mode": "ar"}, {"max_batch": None, "stride": 2}]
 #: each bucket's forward width: ISD 1 + 2(N-1) (+ candidate 4 + its MASK tail N-1), a lookup
 #: step 1 + candidate, AR 1

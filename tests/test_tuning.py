@@ -79,6 +79,28 @@ def test_greedy_only_candidates_never_serve_sampled_batches():
     assert {c.best.mode for c in plan} == {"ar"}
 
 
+def test_every_modes_plan_may_run_lookup_steps_where_its_own_are_too_wide():
+    """Lookup steps (the context candidate alone) are candidates of every tuned mode; on a
+    roofline a JACOBI plan runs its blocks at batch 1, lookup steps at mid sizes, AR beyond; the
+    written plan builds, its lookup bucket an `NgramMode` with the bucket's own options."""
+    from selfspec.decoding import registry
+    from selfspec.decoding.ngram import NgramMode
+    from selfspec.tuning.acceptance import candidates_for
+
+    for mode in ("isd", "risd", "sjd", "jacobi"):
+        assert {c.label for c in candidates_for(mode) if c.mode == "ngram"} == {f"lookup={k}" for k in (4, 8, 12, 16)}
+    lookup = next(c for c in candidates_for("jacobi") if c.label == "lookup=4")
+    cands = [CANDIDATES[0], Candidate("jacobi", {"block_size": 4, "context_tokens": 8}, 12, {"greedy": 3.2}),
+             Candidate(lookup.mode, lookup.options, 5, {"greedy": 1.8})]
+    plan = choose(table(lambda b, w: 5.0 * max(1.0, b * w / 16)), cands, "greedy", 32)
+    assert [plan[b - 1].best.mode for b in (1, 4, 32)] == ["jacobi", "ngram", "ar"]
+    written = [b.to_dict() for b in buckets(plan)]
+    planned = registry.build_planned("jacobi", {}, {"greedy": written, "sampled": [{"max_batch": None, "mode": "ar"}]},
+                                     registry.ModeResources(vocab_size=64))
+    step = planned.greedy_modes[planned.plan.bucket(4, False)]
+    assert isinstance(step, NgramMode) and step.config.num_draft == 4 and step.config.corpus
+
+
 def test_monotone_fit_averages_a_spike_instead_of_spreading_it():
     t = CostTable([1, 2], [1, 2, 4, 8], [[5.0, 12.0, 6.0, 7.0], [6.0, 7.0, 8.0, 9.0]]).monotone()
     assert max(t.ms[0]) < 8.5  # the 12 ms spike is pooled with its neighbours, not carried to w=8

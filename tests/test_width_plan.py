@@ -54,8 +54,13 @@ def setup():
 PLANS = {
     "isd": [{"max_batch": 8, "stride": 3, "context_tokens": 4}, {"max_batch": 14, "mode": "ar"},
             {"max_batch": 18, "stride": 1, "context_tokens": 4}, {"max_batch": None, "stride": 2}],
-    "sjd": [{"max_batch": 12, "window": 4, "context_tokens": 3}, {"max_batch": None, "window": 1}],
-    "jacobi": [{"max_batch": 16, "block_size": 4, "context_tokens": 3}, {"max_batch": None, "mode": "ar"}],
+    # lookup buckets (mode: ngram) in the other modes' plans: the context candidate alone
+    "sjd": [{"max_batch": 8, "window": 4, "context_tokens": 3},
+            {"max_batch": 14, "mode": "ngram", "num_draft": 4, "match_sizes": [2, 1], "corpus": True},
+            {"max_batch": None, "window": 1}],
+    "jacobi": [{"max_batch": 12, "block_size": 4, "context_tokens": 3},
+               {"max_batch": 18, "mode": "ngram", "num_draft": 3, "match_sizes": [1], "corpus": True},
+               {"max_batch": None, "mode": "ar"}],
 }
 
 
@@ -84,7 +89,7 @@ def test_sampling_keeps_the_ar_distribution_across_switches(buckets_used):
     prompt, steps, sampling, n, stop = [1, 2, 3], 3, SamplingParams(1.0), 20_000, 5
     plan = {"greedy": [{"max_batch": None, "mode": "ar"}],
             "sampled": [{"max_batch": 19_000, "mode": "ar"},
-                        {"max_batch": 19_400, "stride": 1, "context_tokens": 2, "context_match_sizes": [1]},
+                        {"max_batch": 19_400, "mode": "ngram", "num_draft": 2, "match_sizes": [1]},
                         {"max_batch": None, "stride": 3, "context_tokens": 2, "context_match_sizes": [1]}]}
     outs = engine.generate([prompt] * n, steps + 1, sampling, seed=list(range(n)), stop_token_ids=[stop],
                            mode="isd", plan=plan, batch_size=n)
@@ -102,7 +107,7 @@ def test_sampling_keeps_the_ar_distribution_across_switches(buckets_used):
 @pytest.mark.parametrize("plan, problem", [
     ([{"max_batch": 4, "stride": 3}, {"max_batch": 2, "mode": "ar"}], "integer above 4"),
     ([{"max_batch": None, "stride": 3}, {"max_batch": 8, "mode": "ar"}], "only the last bucket"),
-    ([{"max_batch": 4, "mode": "sjd"}], "runs isd or ar"),
+    ([{"max_batch": 4, "mode": "sjd"}], "runs isd, ar, ngram"),
     ([{"max_batch": 4, "mode": "ar", "stride": 2}], "takes no options"),
     ({"greedy": [], "sampled": None}, "non-empty list"),
     ({"fast": [{"max_batch": 1}]}, "greedy"),
@@ -118,6 +123,8 @@ def test_plan_round_trips_and_bad_bucket_options_fail_at_build(setup):
     engine = setup[0]
     with pytest.raises(ValueError, match="stride"):
         engine.build_mode("isd", None, [{"max_batch": None, "stride": 1}])
+    with pytest.raises(ValueError, match="unknown ngram option"):  # a lookup bucket takes its own options
+        engine.build_mode("jacobi", None, [{"max_batch": None, "mode": "ngram", "block_size": 2}])
 
 
 def _run_check(check, key, rate, steps):

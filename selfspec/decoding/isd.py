@@ -1,9 +1,8 @@
 """Introspective Strided Decoding (ISD) and its lossless LoRA variant RISD (I-DLM, §3.2, App. B).
 
 Stride N >= 2. (N = 1 with a context candidate is a lookup step: [pending, candidate], no MASK
-proposals, the candidate verified as a chain with the rest of the batch; a width plan runs it
-where the MASK rows cost more than they bring, e.g. large batches on a CPU.) One step is one
-forward over
+proposals, the candidate verified as a chain with the rest of the batch: `ngram.NgramMode`'s step,
+which any mode's width plan may also run as `{mode: ngram}`.) One step is one forward over
 
     [pending, q_1 … q_m, MASK × (N−1)]          m = N−1 (P step) or 0 (propose-only step)
 
@@ -41,7 +40,7 @@ import torch
 
 from selfspec.decoding.logits_rules import grammar_valid, mask_disallowed
 from selfspec.decoding.corpus import SharedCorpus
-from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, SuffixIndex, context_index, match_sizes
+from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, NgramConfig, NgramMode, SuffixIndex, context_index, match_sizes
 from selfspec.decoding.argmax import first_argmax
 from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
@@ -113,13 +112,6 @@ def build_layout(pending: int, proposals: list[int], stride: int, mask_token_id:
     return StepLayout(tokens, gate=gate)
 
 
-def build_lookup_layout(pending: int, candidate: list[int], mask_token_id: int, width: int | None) -> StepLayout:
-    """[pending, candidate] (+ MASK padding to `width` if given): a stride-1 step's chain."""
-    real = 1 + len(candidate)
-    pad = (width - real) if width is not None else 0
-    return StepLayout([pending, *candidate] + [mask_token_id] * pad, gate=[False] * real + [True] * pad)
-
-
 def build_tree_layout(pending: int, proposals: list[int], candidate: list[int], stride: int, mask_token_id: int,
                       tail: bool, width: int | None = None) -> tuple[StepLayout, TreePlan]:
     """Two branches over the pending token: [proposals, MASK × (N−1)] and [candidate (+ MASK ×
@@ -157,13 +149,19 @@ class ISDMode(Mode):
         # then one per sampled proposal
         self.seeds_per_step = self.verify_seeds + (n1 if config.proposal == "sample" else 0)
         self.max_width = 1 + 2 * n1 + (k + (n1 if config.context_tail else 0) if k else 0)
+        # stride 1: the lookup step, run by the one implementation of it
+        self.lookup = (NgramMode(NgramConfig(k, config.context_match_sizes, config.context_corpus, config.context_caps),
+                                 corpus, tau=config.tau) if config.stride == 1 else None)
 
     def start(self, seq: DecodeSequence) -> None:
-        cfg = self.config
-        seq.state = ISDState(index=context_index(seq, cfg.context_tokens, cfg.context_match_sizes, self.corpus,
-                                                 cfg.context_corpus, cfg.context_caps))
+        if self.lookup is not None:
+            self.lookup.start(seq)
+            return
+        seq.state = ISDState(index=context_index(seq, self.config, self.corpus))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
+        if self.lookup is not None:
+            return [self._gated(self._padded(lay)) for lay in self.lookup.layouts(seqs)]
         cfg = self.config
         out = []
         for s in seqs:
@@ -172,41 +170,30 @@ class ISDMode(Mode):
             candidate = (st.index.propose(s.history, cfg.context_tokens, shared=s.sampling.greedy)
                          if st.index is not None else [])
             candidate = grammar_valid(s, candidate)
-            if cfg.stride == 1:  # a lookup step: the candidate is the step's whole draft
-                st.proposals, st.proposal_probs = candidate, None
-                lay = build_lookup_layout(s.pending, candidate, self.mask_token_id,
-                                          self.max_width if cfg.fixed_width else None)
-            elif candidate and candidate != st.proposals[: len(candidate)]:
+            if candidate and candidate != st.proposals[: len(candidate)]:
                 width = self.max_width if cfg.fixed_width else None
                 lay, st.plan = build_tree_layout(s.pending, st.proposals, candidate, cfg.stride, self.mask_token_id,
                                                  cfg.context_tail, width)
                 st.plan.paths[0].probs = st.proposal_probs  # the proposals' q (None: one-hot)
             else:
                 lay = build_layout(s.pending, st.proposals, cfg.stride, self.mask_token_id, cfg.fixed_width)
-            if not self.gated:
-                lay.gate = None
-            out.append(lay)
+            out.append(self._gated(lay))
         return out
 
-    def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
-        if self.config.stride == 1:
-            return self._finish_lookup(seqs, logits, ctx)
-        return finish_split(seqs, logits, ctx, self._finish_chains, self._finish_tree)
+    def _padded(self, lay: StepLayout) -> StepLayout:
+        """A lookup step's chain, MASK-padded to the fixed width if the mode pads."""
+        pad = self.max_width - len(lay.tokens) if self.config.fixed_width else 0
+        return StepLayout(list(lay.tokens) + [self.mask_token_id] * pad, gate=[False] * len(lay.tokens) + [True] * pad)
 
-    def _finish_lookup(self, seqs, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
-        """Lookup steps, verified as one batch: each row's candidate is a deterministic draft
-        (one-hot q), so the p/q rule keeps AR's distribution; no proposals follow."""
-        depth = logits.shape[1] - 1
-        candidates = [s.state.proposals for s in seqs]
-        num = torch.tensor([len(c) for c in candidates], dtype=torch.long, device=logits.device)
-        drafts = torch.tensor([c + [0] * (depth - len(c)) for c in candidates], dtype=torch.long,
-                              device=logits.device).view(len(seqs), depth)
-        result = verify_drafts(logits, drafts, num, ctx, tau=self.config.tau)
-        outcomes = []
-        for s, c, a, t in zip(seqs, candidates, result.accept_len.tolist(), result.next_tokens.tolist()):
-            s.state.proposals = []
-            outcomes.append(StepOutcome(c[:a] + [t], list(range(a + 1)), a))
-        return outcomes
+    def _gated(self, lay: StepLayout) -> StepLayout:
+        if not self.gated:  # the gate is RISD's adapter switch
+            lay.gate = None
+        return lay
+
+    def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
+        if self.lookup is not None:
+            return self.lookup.finish(seqs, batch, logits, ctx)
+        return finish_split(seqs, logits, ctx, self._finish_chains, self._finish_tree)
 
     def _finish_chains(self, seqs, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
         """Steps without a candidate branch, verified as one batch."""

@@ -242,8 +242,7 @@ class JacobiMode(Mode):
         cfg = self.config
         seq.state = JacobiState(Block(self._fresh(seq.history, cfg.block_size - 1)), [],
                                 NgramPool(cfg.ngram_size, cfg.pool_size),
-                                context_index(seq, cfg.context_tokens, cfg.context_match_sizes, self.corpus,
-                                              cfg.context_corpus, cfg.context_caps))
+                                context_index(seq, cfg, self.corpus))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         out = []

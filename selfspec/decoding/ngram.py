@@ -1,11 +1,19 @@
-"""Prompt-lookup n-gram speculation: the draft-free baseline of the benchmarks.
+"""Prompt-lookup n-gram speculation: the draft-free baseline of the benchmarks, and the lookup
+step every mode's width plan may run.
 
-Draft: find the latest earlier occurrence of the last m committed tokens (m = 3, then 2) in
-the sequence's own history (prompt + output) and propose the k tokens that followed it (a copy of
-the history at that lag, which runs on past its end when the match is fewer than k tokens back). One
-step is a causal forward over [pending, d_1 … d_j] (j <= k; j = 0 is a plain AR step); the
+Draft: find the latest earlier occurrence of the last m committed tokens (m = 3, then 2 by
+default) in the sequence's own history (prompt + output) and propose the k tokens that followed it
+(a copy of the history at that lag, which runs on past its end when the match is fewer than k
+tokens back); with `corpus`, greedy rows also look in the other sequences served (`corpus.py`).
+One step is a causal forward over [pending, d_1 … d_j] (j <= k; j = 0 is a plain AR step); the
 drafts are verified with the shared rules (greedy prefix, or p/q with one-hot q when sampling,
 which keeps AR's distribution) and the corrected / bonus token is emitted.
+
+The same step is the narrowest speculative width of every mode: a width plan bucket
+`{mode: ngram, ...}` runs it in an ISD, RISD, SJD or JACOBI plan where a batch is too wide for
+the mode's own proposals to pay (ISD's `stride: 1` is this step too). Its `NgramConfig` answers
+to the `context_*` names the other modes' configs use, so whatever reads a mode's context
+candidate (`width_plan.CandidateWatch`) reads this one alike.
 """
 
 from __future__ import annotations
@@ -59,11 +67,32 @@ def match_sizes(sizes, option: str = "match_sizes") -> tuple[int, ...]:
 class NgramConfig:
     num_draft: int = 4  # k
     match_sizes: tuple[int, ...] = (3, 2)  # suffix lengths tried, longest first
+    # greedy rows also draft from the other sequences served (`corpus.py`); off for the
+    # prompt-lookup baseline, on in the lookup buckets `selfspec tune` writes
+    corpus: bool = False
+    caps: bool = False  # weak matches draft short candidates (`WEAK_MATCH_CAPS`)
 
     def __post_init__(self) -> None:
         self.match_sizes = match_sizes(self.match_sizes, "ngram match_sizes")
         if self.num_draft < 1:
             raise ValueError(f"ngram needs num_draft >= 1, got {self.num_draft}")
+
+    # the names of the other modes' context-candidate options (see module doc)
+    @property
+    def context_tokens(self) -> int:
+        return self.num_draft
+
+    @property
+    def context_match_sizes(self) -> tuple[int, ...]:
+        return self.match_sizes
+
+    @property
+    def context_corpus(self) -> bool:
+        return self.corpus
+
+    @property
+    def context_caps(self) -> bool:
+        return self.caps
 
 
 def lagged_copy(history: list[int], lag: int, k: int) -> list[int]:
@@ -149,13 +178,13 @@ class SuffixIndex:
         return [], None
 
 
-def context_index(seq: DecodeSequence, tokens: int, sizes: tuple[int, ...], corpus: SharedCorpus | None,
-                  use_corpus: bool, weak_caps: bool = False) -> SuffixIndex | None:
-    """A mode's context lookup for `seq` (None when its candidates are off: `tokens` == 0);
-    `weak_caps`: weak matches draft short candidates (`WEAK_MATCH_CAPS`)."""
-    if not tokens:
+def context_index(seq: DecodeSequence, config, corpus: SharedCorpus | None) -> SuffixIndex | None:
+    """The context lookup for `seq` of a mode whose `config` has the `context_*` options (None
+    when its candidates are off: `context_tokens` == 0)."""
+    if not config.context_tokens:
         return None
-    return SuffixIndex(sizes, corpus if use_corpus else None, seq, WEAK_MATCH_CAPS if weak_caps else None)
+    return SuffixIndex(config.context_match_sizes, corpus if config.context_corpus else None, seq,
+                       WEAK_MATCH_CAPS if config.context_caps else None)
 
 
 def propose_ngram(history: list[int], k: int, sizes: tuple[int, ...] = (3, 2)) -> list[int]:
@@ -165,37 +194,47 @@ def propose_ngram(history: list[int], k: int, sizes: tuple[int, ...] = (3, 2)) -
 
 @dataclass
 class NgramState:
-    index: SuffixIndex
+    index: SuffixIndex | None
     drafts: list[int] = field(default_factory=list)
+
+
+def finish_chains(drafts: list[list[int]], logits: torch.Tensor, ctx: StepContext, tau: float = 0.0
+                  ) -> list[StepOutcome]:
+    """Steps [pending, d_1 … d_j] verified as one batch (logits [B, depth + 1, V], layouts
+    padded past each chain): each chain is a deterministic draft (one-hot q), so the p/q rule
+    keeps AR's distribution at tau = 0; the accepted drafts and the corrected / bonus token."""
+    depth = logits.shape[1] - 1
+    device = logits.device
+    num = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=device)
+    padded = torch.tensor([d + [0] * (depth - len(d)) for d in drafts], dtype=torch.long,
+                          device=device).view(len(drafts), depth)
+    result = verify_drafts(logits, padded, num, ctx, tau=tau)
+    return [StepOutcome(d[:a] + [t], list(range(a + 1)), a)
+            for d, a, t in zip(drafts, result.accept_len.tolist(), result.next_tokens.tolist())]
 
 
 class NgramMode(Mode):
     name = "ngram"
 
-    def __init__(self, config: NgramConfig):
+    def __init__(self, config: NgramConfig, corpus: SharedCorpus | None = None, tau: float = 0.0):
+        """`corpus`: the texts served (used when `config.corpus`); `tau`: relaxed acceptance of
+        the drafts (ISD's lookup steps carry their own; 0 keeps AR's distribution)."""
         self.config = config
+        self.corpus = corpus
+        self.tau = tau
         self.seeds_per_step = config.num_draft + 1
         self.max_width = config.num_draft + 1
 
     def start(self, seq: DecodeSequence) -> None:
-        seq.state = NgramState(SuffixIndex(self.config.match_sizes))
+        seq.state = NgramState(context_index(seq, self.config, self.corpus))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         out = []
         for s in seqs:
-            s.state.drafts = grammar_valid(s, s.state.index.propose(s.history, self.config.num_draft))
+            drafts = s.state.index.propose(s.history, self.config.num_draft, shared=s.sampling.greedy)
+            s.state.drafts = grammar_valid(s, drafts)
             out.append(StepLayout([s.pending, *s.state.drafts]))
         return out
 
     def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
-        depth = logits.shape[1] - 1  # the longest draft in this batch
-        device = logits.device
-        drafts = torch.tensor([s.state.drafts + [0] * (depth - len(s.state.drafts)) for s in seqs],
-                              dtype=torch.long, device=device)
-        num = torch.tensor([len(s.state.drafts) for s in seqs], dtype=torch.long, device=device)
-        target = logits
-        result = verify_drafts(target, drafts, num, ctx)
-        outcomes = []
-        for s, a, t in zip(seqs, result.accept_len.tolist(), result.next_tokens.tolist()):
-            outcomes.append(StepOutcome(s.state.drafts[:a] + [t], list(range(a + 1)), a))
-        return outcomes
+        return finish_chains([s.state.drafts for s in seqs], logits, ctx, self.tau)

@@ -79,7 +79,7 @@ _SPECS = (
     ModeSpec("ar", "plain autoregressive decoding, one token per forward (the baseline)", None, ARMode,
              lambda cfg, res: ARMode(), sglang_algorithm=None),
     ModeSpec("ngram", "prompt-lookup drafts from the sequence's own n-grams (SGLang's NGRAM is the served one)",
-             NgramConfig, NgramMode, lambda cfg, res: NgramMode(cfg), sglang_algorithm=None, builtin_sglang_algorithm="NGRAM"),
+             NgramConfig, NgramMode, lambda cfg, res: NgramMode(cfg, res.corpus), sglang_algorithm=None, builtin_sglang_algorithm="NGRAM"),
     ModeSpec("isd", "introspective strided decoding: verify last step's [MASK] proposals, propose N new ones",
              ISDConfig, ISDMode, lambda cfg, res: ISDMode(cfg, res.mask_token_id, gated=False, corpus=res.corpus), sglang_algorithm="ISD",
              needs_mask_token=True, checkpoint_kind="idlm", metadata_fields=_ISD_FIELDS),
@@ -226,8 +226,9 @@ def build(mode: str, config: Any, resources: ModeResources = ModeResources()) ->
 def build_planned(mode: str, base_options: dict[str, Any], plan: Any,
                   resources: ModeResources = ModeResources()) -> Mode:
     """The `width_plan.PlannedMode` of `plan` (a WidthPlan or its dict form) for `mode`: each
-    bucket's mode built from `base_options` overridden by the bucket's options."""
-    from selfspec.decoding.width_plan import PlannedMode, WidthPlan
+    bucket's mode built from `base_options` overridden by the bucket's options (a lookup bucket,
+    `mode: ngram`, from its own options alone: the base options are the plan mode's)."""
+    from selfspec.decoding.width_plan import PLAN_STEP_MODES, PlannedMode, WidthPlan
 
     spec = get(mode)
     if resources.corpus is None:  # one corpus for all the buckets
@@ -236,8 +237,8 @@ def build_planned(mode: str, base_options: dict[str, Any], plan: Any,
         plan = WidthPlan.from_dict(plan, spec.name)
 
     def one(bucket) -> Mode:
-        if bucket.mode == "ar":
-            return build("ar", None, resources)
+        if bucket.mode in PLAN_STEP_MODES:
+            return build(bucket.mode, parse_mode_config(bucket.mode, bucket.options or None), resources)
         return build(spec.name, parse_mode_config(spec.name, {**base_options, **bucket.options}), resources)
 
     return PlannedMode(plan, [one(b) for b in plan.greedy], [one(b) for b in plan.sampled], spec.name,

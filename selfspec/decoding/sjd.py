@@ -116,8 +116,7 @@ class SJDMode(Mode):
     def start(self, seq: DecodeSequence) -> None:
         c = self.config
         seq.state = SJDState(history_drafts(seq.history, c.window, c.history_offset), None, [False] * c.window,
-                             context_index(seq, c.context_tokens, c.context_match_sizes, self.corpus,
-                                           c.context_corpus, c.context_caps))
+                             context_index(seq, c, self.corpus))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         out = []

@@ -5,7 +5,7 @@ Self-speculation pays while a forward of several query tokens per request costs 
 than a forward of one. That depends on the batch: the wider the batch, the sooner the device
 turns from flat to linear in query tokens. A `WidthPlan` lists, for batches of greedy rows and
 for batches with sampled rows, buckets of batch sizes and the mode configuration each runs
-(`mode: ar` is a plain one-token step). `PlannedMode` runs one mode object per bucket and picks
+(`mode: ar` is a plain one-token step, `mode: ngram` the lookup step: the context candidate alone). `PlannedMode` runs one mode object per bucket and picks
 the bucket from each step's batch.
 
 Lossless at every width: each bucket's mode is lossless on its own, and a sequence that moves to
@@ -41,10 +41,16 @@ import torch
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
 
 
+#: Steps any mode's plan may run besides its own: a plain AR step, and the lookup step (the
+#: context candidate alone, `ngram.py`), which pays at batches too wide for the mode's own
+#: proposals. Their options are their own, not the plan mode's.
+PLAN_STEP_MODES = ("ar", "ngram")
+
+
 @dataclass(frozen=True)
 class PlanBucket:
     max_batch: int | None  # serves batches of up to this many requests; None: any larger batch
-    mode: str  # the plan's own mode or "ar"
+    mode: str  # the plan's own mode, or one of PLAN_STEP_MODES
     options: dict[str, Any] = field(default_factory=dict)  # mode options over the plan's base options
 
     def to_dict(self) -> dict[str, Any]:
@@ -254,8 +260,7 @@ class CandidateWatch:
         cfg = mode.config
         self.mode = mode
         self.tokens = cfg.context_tokens
-        self.index = context_index(seq, cfg.context_tokens, cfg.context_match_sizes, mode.corpus,
-                                   cfg.context_corpus, cfg.context_caps)
+        self.index = context_index(seq, cfg, mode.corpus)
         self.start = 0  # history length when the candidate was proposed
         self.candidate: list[int] = []
 
@@ -290,8 +295,9 @@ def _buckets(items: Any, mode: str, name: str) -> tuple[PlanBucket, ...]:
         opts = dict(item)
         cap = opts.pop("max_batch", None)
         bucket_mode = str(opts.pop("mode", mode)).lower()
-        if bucket_mode not in (mode, "ar"):
-            raise ValueError(f"width plan {name}[{i}]: mode {bucket_mode!r}; a {mode} plan runs {mode} or ar")
+        if bucket_mode not in (mode, *PLAN_STEP_MODES):
+            raise ValueError(f"width plan {name}[{i}]: mode {bucket_mode!r}; a {mode} plan runs "
+                             f"{', '.join((mode, *PLAN_STEP_MODES))}")
         if bucket_mode == "ar" and opts:
             raise ValueError(f"width plan {name}[{i}]: mode ar takes no options, got {sorted(opts)}")
         if cap is not None:

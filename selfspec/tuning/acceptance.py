@@ -1,7 +1,8 @@
 """Tokens committed per decode step of each candidate configuration, measured offline.
 
-A candidate is one configuration a plan bucket could run: plain AR (width 1) or the mode with
-some options. Its acceptance does not depend on the batch it runs in (every mode decides each
+A candidate is one configuration a plan bucket could run: plain AR (width 1), the lookup step
+(`mode: ngram`: the context candidate alone, any mode's plan may run it) or the mode with some
+options. Its acceptance does not depend on the batch it runs in (every mode decides each
 sequence on its own), so each candidate decodes the held-out prompts once per sampling setting
 on the HF engine, all prompts in one batch, and reports committed tokens per decode step. Its
 width is the widest layout of its mode object: what a planned server step pads every request
@@ -21,16 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfspec.decoding.corpus import SharedCorpus
+from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES
+from selfspec.decoding.width_plan import PLAN_STEP_MODES
 from selfspec.decoding.registry import unpadded
 from selfspec.decoding.sampling import SamplingParams
 
 #: The widths searched per mode: stride N for ISD / RISD, window W for SJD, block size n for
 #: JACOBI, each with and without a context candidate of a few lengths (the embedded I-DLM
-#: models are trained for strides 2-4; stride 1 is a lookup step, the candidate alone: where
-#: the MASK rows cost more query tokens than they commit).
+#: models are trained for strides 2-4). The lookup step, where the mode's own proposals cost
+#: more query tokens than they commit, is `LOOKUP_GRID`, a candidate of every mode.
 GRIDS: dict[str, list[dict[str, Any]]] = {
-    "isd": [{"stride": n, "context_tokens": k, "context_tail": False}
-            for n in (1, 2, 3, 4) for k in (0, 4, 8, 12, 16) if n > 1 or k > 0],
+    "isd": [{"stride": n, "context_tokens": k, "context_tail": False} for n in (2, 3, 4) for k in (0, 4, 8, 12, 16)],
     "sjd": [{"window": w, "context_tokens": k} for w in (1, 2, 4) for k in (0, 4, 8, 12, 16)],
     # JACOBI's pool candidates (verify_size) widen every step; its context candidate may run
     # past the block, so small blocks with a long candidate are in the grid
@@ -38,11 +40,15 @@ GRIDS: dict[str, list[dict[str, Any]]] = {
                for n in (2, 4, 8) for v in (0, 4) for k in (0, 8, 16)],
 }
 GRIDS["risd"] = GRIDS["isd"]
+#: lookup steps (`ngram.NgramMode` as a plan bucket) with the context options the modes' own
+#: candidates use: the longer suffixes first, other requests' text for greedy rows
+LOOKUP_GRID: list[dict[str, Any]] = [{"num_draft": k, "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True}
+                                     for k in (4, 8, 12, 16)]
 
 
 @dataclass
 class Candidate:
-    mode: str  # "ar" or the tuned mode
+    mode: str  # "ar", "ngram" (a lookup step) or the tuned mode
     options: dict[str, Any] = field(default_factory=dict)
     width: int = 1  # query tokens per request of its steps (padded)
     tokens_per_step: dict[str, float] = field(default_factory=dict)  # "greedy" / "sampled" -> committed per step
@@ -55,6 +61,8 @@ class Candidate:
     def label(self) -> str:
         if self.mode == "ar":
             return "ar"
+        if self.mode == "ngram":  # the grid varies the draft length only
+            return f"lookup={self.options['num_draft']}"
         return ",".join(f"{k}={v}" for k, v in self.options.items()) or "defaults"
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,8 +71,9 @@ class Candidate:
 
 
 def candidates_for(mode: str, grid: list[dict[str, Any]] | None = None) -> list[Candidate]:
-    """AR, then every grid point of `mode`."""
-    return [Candidate("ar")] + [Candidate(mode, dict(opts)) for opts in (grid if grid is not None else GRIDS[mode])]
+    """AR, every grid point of `mode`, then the lookup steps."""
+    own = [Candidate(mode, dict(opts)) for opts in (grid if grid is not None else GRIDS[mode])]
+    return [Candidate("ar"), *own, *(Candidate("ngram", dict(opts)) for opts in LOOKUP_GRID)]
 
 
 def warm_corpus(engine, prompts: list[list[int]], max_new_tokens: int) -> SharedCorpus:
@@ -85,7 +94,9 @@ def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_n
     `ragged`: the served forwards carry real tokens only (CPU): layouts are built unpadded, as
     the served worker then builds them. Each candidate's query tokens per step are kept."""
     for cand in candidates:
-        options = None if cand.mode == "ar" else {**(base_options or {}), **cand.options}
+        # the base options are the tuned mode's; a plan step (AR, lookup) has its own
+        options = ((cand.options or None) if cand.mode in PLAN_STEP_MODES
+                   else {**(base_options or {}), **cand.options})
         cand.width = int(engine.build_mode(cand.mode, options).max_width)
         if ragged and options is not None:
             options = unpadded(cand.mode, options)

@@ -29,6 +29,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from selfspec.decoding.width_plan import PLAN_STEP_MODES
 from selfspec.tuning.acceptance import Candidate
 from selfspec.tuning.cost import CostTable, StepOverhead
 
@@ -115,8 +116,10 @@ def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dic
 
 
 def middle_width(cands: list[Candidate], kind: str) -> Candidate | None:
-    """The calibration's verify candidate: the median width of those that serve `kind`."""
-    usable = sorted((c for c in cands if c.mode != "ar" and math.isfinite(c.tokens_per_step.get(kind, math.nan))),
+    """The calibration's verify candidate: the median width of the mode's own candidates that
+    serve `kind` (its steps' cost beyond the forward, not a lookup step's)."""
+    usable = sorted((c for c in cands if c.mode not in PLAN_STEP_MODES
+                     and math.isfinite(c.tokens_per_step.get(kind, math.nan))),
                     key=lambda c: c.width)
     return usable[len(usable) // 2] if usable else None
 
