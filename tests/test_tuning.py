@@ -7,7 +7,7 @@ import pytest
 
 from selfspec.decoding.width_plan import WidthPlan
 from selfspec.tuning.acceptance import Candidate
-from selfspec.tuning.choose import buckets, choose
+from selfspec.tuning.choose import buckets, choose, servable
 from selfspec.tuning.cost import CostTable
 
 BATCHES = [1, 4, 16, 32]
@@ -99,6 +99,30 @@ def test_every_modes_plan_may_run_lookup_steps_where_its_own_are_too_wide():
                                      registry.ModeResources(vocab_size=64))
     step = planned.greedy_modes[planned.plan.bucket(4, False)]
     assert isinstance(step, NgramMode) and step.config.num_draft == 4 and step.config.corpus
+    # a greedy-only mode's sampled batches run AR steps, lookup candidates or not
+    assert [c.mode for c in servable(cands, "sampled", greedy_only=True)] == ["ar"]
+    assert servable(cands, "greedy", greedy_only=True) == cands
+
+
+def test_written_plans_spell_out_shared_option_lists(tmp_path):
+    """Lookup buckets share their `match_sizes` list; the YAML writes it out at each bucket
+    (no &id001 / *id001 aliases) and reads back as the same plan."""
+    import argparse
+
+    import yaml
+
+    from selfspec.tuning.acceptance import candidates_for
+    from selfspec.tuning.command import _yaml_text
+
+    lookups = [c for c in candidates_for("sjd") if c.mode == "ngram"]
+    plan = {"greedy": [{"max_batch": 2, **lookups[0].to_dict()["options"], "mode": "ngram"},
+                       {"max_batch": None, "mode": "ngram", **lookups[1].options}],
+            "sampled": [{"max_batch": None, "mode": "ar"}]}
+    args = argparse.Namespace(model="m", modes="sjd", batch_sizes="1,2", temperature=0.7, threads=1, dtype="float32",
+                              context=64, limit=2, prompts="p.jsonl", max_new_tokens=8, corpus_prompts=0)
+    text = _yaml_text("sjd", plan, table(lambda b, w: 1.0), [], [], args)
+    assert "&id" not in text and "*id" not in text
+    assert WidthPlan.from_dict(yaml.safe_load(text)["plan"], "sjd") == WidthPlan.from_dict(plan, "sjd")
 
 
 def test_monotone_fit_averages_a_spike_instead_of_spreading_it():

@@ -64,6 +64,15 @@ def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: 
     return out
 
 
+def servable(candidates: list[Candidate], kind: str, greedy_only: bool) -> list[Candidate]:
+    """The candidates a plan for `kind` batches may choose: AR steps alone for the sampled
+    batches of a greedy-only mode (its server refuses sampled requests; the lookup steps could
+    serve them, but the plan must not promise what the server will not do)."""
+    if kind == "sampled" and greedy_only:
+        return [c for c in candidates if c.mode == "ar"]
+    return list(candidates)
+
+
 def buckets(choices: list[Choice]) -> list[PlanBucket]:
     """Runs of equal choices as plan buckets (the last one serves any larger batch too)."""
     out: list[PlanBucket] = []

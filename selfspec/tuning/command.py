@@ -95,11 +95,12 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from selfspec.benchmarks.offline import load_prompts
+    from selfspec.decoding import registry
     from selfspec.decoding.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
     from selfspec.engines.kernel_choice import ragged_verify_enabled
     from selfspec.tuning import acceptance, cost
-    from selfspec.tuning.choose import buckets, choose, throughput
+    from selfspec.tuning.choose import buckets, choose, servable, throughput
 
     modes = _modes(args.modes)
     batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
@@ -160,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     for m in modes:
         plan, lines = {}, []
         for kind in samplings:
-            choices = choose(table, cands[m], kind, batch_sizes[-1], overheads[m][kind])
+            usable = servable(cands[m], kind, registry.get(m).greedy_only)
+            choices = choose(table, usable, kind, batch_sizes[-1], overheads[m][kind])
             plan[kind] = [b.to_dict() for b in buckets(choices)]
             lines += _overhead_text(kind, overheads[m][kind])
             lines += _choice_text(m, kind, cands[m], choices, batch_sizes)
@@ -222,7 +224,7 @@ def _choice_text(mode, kind, cands, choices, batch_sizes) -> list[str]:
         tps = cand.tokens_per_step.get(kind, float("nan"))
         cells = ""
         for b in batch_sizes:
-            v = by_batch[b].tokens_per_s[cand.label]
+            v = by_batch[b].tokens_per_s.get(cand.label, float("nan"))  # "-": not a choice for this kind
             mark = "*" if by_batch[b].best is cand else " "
             cells += f"{v:8.0f}{mark}" if math.isfinite(v) else f"{'-':>8} "
         lines.append(f"  {cand.label:36s} {tps:8.2f} {cand.width:5d} {cells}")
@@ -239,7 +241,8 @@ def _yaml_text(mode, plan, table, cands, lines, args) -> str:
             f"# Serve: python -m sglang.launch_server --model-path <model> --speculative-algorithm {mode.upper()} "
             "--selfspec-config <this file>",
             "# Each decode step runs the bucket its batch falls in (max_batch: up to that many requests;",
-            "# greedy batches and batches with a sampled row apart); mode ar is a plain one-token step.",
+            "# greedy batches and batches with a sampled row apart); mode ar is a plain one-token step,",
+            "# mode ngram a lookup step (the context candidate alone, no proposals of the mode's own).",
             "#",
             f"# Measured forward time (ms), HF engine, {args.threads} thread(s), {args.dtype}, "
             f"{args.context} cached tokens per request:"]
@@ -248,5 +251,9 @@ def _yaml_text(mode, plan, table, cands, lines, args) -> str:
              f"sampled = temperature {args.temperature}; * = chosen;",
              f"# greedy context candidates also draw on the next {args.corpus_prompts} prompts' outputs (a served corpus)"]
     head += ["# " + line for line in lines]
-    body = yaml.safe_dump({"mode": mode.upper(), "plan": plan}, sort_keys=False, default_flow_style=None)
+    class Dumper(yaml.SafeDumper):  # buckets sharing an option list are written out, not as &id / *id
+        def ignore_aliases(self, data) -> bool:
+            return True
+
+    body = yaml.dump({"mode": mode.upper(), "plan": plan}, Dumper=Dumper, sort_keys=False, default_flow_style=None)
     return "\n".join(head) + "\n" + body
