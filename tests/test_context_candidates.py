@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import selfspec.decoding.isd as isd
+import selfspec.decoding.ngram as ngram
 import selfspec.decoding.sjd as sjd
 from selfspec.decoding import rng
 from selfspec.decoding.isd import build_tree_layout
@@ -44,7 +45,8 @@ def setup(tmp_path_factory):
 
 @pytest.fixture
 def tree_outcomes(monkeypatch):
-    """Which path won each tree step (0: the proposals, 1: the context candidate)."""
+    """Which path won each tree step (0: the proposals, 1: the context candidate; lookup steps
+    with two candidates: 0 the first, 1 the second)."""
     seen: Counter = Counter()
     original = isd.verify_paths
 
@@ -55,6 +57,7 @@ def tree_outcomes(monkeypatch):
 
     monkeypatch.setattr(isd, "verify_paths", spy)
     monkeypatch.setattr(sjd, "verify_paths", spy)
+    monkeypatch.setattr(ngram, "verify_paths", spy)
     return seen
 
 
@@ -66,6 +69,8 @@ def tree_outcomes(monkeypatch):
     ("risd", {"stride": 1, "context_tokens": 6, "fixed_width": False}),
     ("sjd", {"window": 2, "context_tokens": 4}),
     ("sjd", {"window": 5, "history_offset": 2, "context_tokens": 3, "context_match_sizes": (2, 1)}),
+    # lookup steps with a second candidate from another place the suffix occurred
+    ("ngram", {"num_draft": 4, "match_sizes": (3, 2, 1), "branches": 2}),
 ])
 def test_candidates_are_greedy_ar(setup, tree_outcomes, mode, config):
     model, mask_id, prompts, reference, adapter = setup
@@ -156,6 +161,7 @@ def test_two_paths_keep_the_distribution_of_each_position():
     ("isd", {"stride": 3, "context_tokens": 3, "context_match_sizes": (1,)}),
     ("isd", {"stride": 1, "context_tokens": 3, "context_match_sizes": (1,)}),
     ("sjd", {"window": 2, "context_tokens": 3, "context_match_sizes": (1,)}),
+    ("ngram", {"num_draft": 3, "match_sizes": (1,), "branches": 2}),
 ])
 def test_sampled_candidates_keep_ar_sampling(tree_outcomes, mode, config):
     model = tiny_qwen3(8, hidden_size=32, seed=4, initializer_range=0.3).eval()

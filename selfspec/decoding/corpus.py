@@ -66,11 +66,7 @@ class SharedCorpus:
     def continuation(self, suffix: tuple[int, ...], k: int, exclude: int | None = None) -> list[int]:
         """Up to k tokens after the latest occurrence of `suffix` outside `exclude` (or the one
         before it, when that offers more of the k); [] if none."""
-        m = len(suffix)
-        if m not in self.latest:  # first lookup of this length: index what is stored
-            self.latest[m], self.previous[m] = {}, {}
-            for doc, text in self.docs.items():
-                self._index(m, doc, text, 0)
+        m = self._indexed(len(suffix))
         key = hash(suffix)
         found = self._after(self.latest[m].get(key), suffix, k, exclude)
         if len(found) < k:
@@ -78,6 +74,21 @@ class SharedCorpus:
             if len(earlier) > len(found):
                 return earlier
         return found
+
+    def continuations(self, suffix: tuple[int, ...], k: int, exclude: int | None = None) -> list[list[int]]:
+        """Up to k tokens after the latest and after the previous occurrence of `suffix`
+        outside `exclude`: the places a second candidate may come from."""
+        m, key = self._indexed(len(suffix)), hash(suffix)
+        found = (self._after(table.get(key), suffix, k, exclude) for table in (self.latest[m], self.previous[m]))
+        return [f for f in found if f]
+
+    def _indexed(self, m: int) -> int:
+        """`m`, with the stored text's m-grams indexed (on the first lookup of that length)."""
+        if m not in self.latest:
+            self.latest[m], self.previous[m] = {}, {}
+            for doc, text in self.docs.items():
+                self._index(m, doc, text, 0)
+        return m
 
     def _after(self, hit: int | None, suffix: tuple[int, ...], k: int, exclude: int | None) -> list[int]:
         if hit is None or hit >> 32 == exclude:

@@ -46,7 +46,7 @@ from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
-from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split, verify_paths
+from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split, path_outcome, verify_paths
 
 
 def stride_allowed(stride: int, context_tokens: int) -> bool:
@@ -261,12 +261,10 @@ class ISDMode(Mode):
         MASK proposals of that path if it was accepted whole and has them."""
         plan = seq.state.plan
         res = verify_paths(logits, plan.paths, ctx.seeds[0], tau=self.config.tau, **ctx.row(0))
-        path = plan.paths[res.path]
-        positions = path.rows[1:] + [path.end_row]  # step index of draft i is positions[i]
-        emit = path.tokens[: res.accepted] + [res.next_token]
-        keep = [0] + positions[: res.accepted]
+        outcome = path_outcome(plan, res)
+        emit = outcome.emit
         tail = plan.tail_rows[res.path]
-        whole = res.accepted == len(path.tokens)
+        whole = res.accepted == len(plan.paths[res.path].tokens)
         seq.state.proposals, seq.state.proposal_probs = [], None
         if whole and tail is not None:
             if self._grammar_guided(seq):
@@ -276,4 +274,4 @@ class ISDMode(Mode):
                 seq.state.proposals = proposals[0]
                 seq.state.proposal_probs = probs[0] if probs is not None else None
         seq.state.plan = None
-        return StepOutcome(emit, keep, res.accepted)
+        return outcome

@@ -24,6 +24,7 @@ import torch
 
 from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.logits_rules import grammar_valid
+from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split, path_outcome, verify_paths
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
@@ -71,11 +72,16 @@ class NgramConfig:
     # prompt-lookup baseline, on in the lookup buckets `selfspec tune` writes
     corpus: bool = False
     caps: bool = False  # weak matches draft short candidates (`WEAK_MATCH_CAPS`)
+    # 2: a second candidate from another place the suffix occurred (`SuffixIndex.alternative`),
+    # verified as a second branch of the step's tree where it differs from the first
+    branches: int = 1
 
     def __post_init__(self) -> None:
         self.match_sizes = match_sizes(self.match_sizes, "ngram match_sizes")
         if self.num_draft < 1:
             raise ValueError(f"ngram needs num_draft >= 1, got {self.num_draft}")
+        if self.branches not in (1, 2):
+            raise ValueError(f"ngram branches must be 1 or 2, got {self.branches}")
 
     # the names of the other modes' context-candidate options (see module doc)
     @property
@@ -118,6 +124,7 @@ class SuffixIndex:
         self.sizes = sizes
         self.weak_caps = weak_caps or {}
         self.last_end: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in sizes}
+        self.prev_end: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in sizes}  # the one before
         self.indexed = 0  # m-grams ending before this position are indexed
         self.corpus = corpus
         self.doc: int | None = None
@@ -138,7 +145,11 @@ class SuffixIndex:
         for pos in range(self.indexed, end):
             for m in self.sizes:
                 if pos - m + 1 >= 0:
-                    self.last_end[m][tuple(history[pos - m + 1 : pos + 1])] = pos
+                    key = tuple(history[pos - m + 1 : pos + 1])
+                    before = self.last_end[m].get(key)
+                    if before is not None:
+                        self.prev_end[m][key] = before
+                    self.last_end[m][key] = pos
         self.indexed = max(self.indexed, end)
         if self.corpus is not None:  # the corpus holds what the own index holds: history[:end]
             have = self.corpus.length(self.doc)
@@ -157,6 +168,27 @@ class SuffixIndex:
                 break
             out += more
         return out
+
+    def alternative(self, history: list[int], k: int, first: list[int], shared: bool = True) -> list[int]:
+        """A second candidate of up to k tokens that differs from `first` (the `propose` of this
+        step) within their common length: the continuation of the longest suffix at another
+        place — an earlier occurrence in the own history, else the latest or previous one in
+        the corpus; [] when every place continues like `first`. Call after `propose`."""
+        end = len(history) - 1
+        corpus = self.corpus if shared else None
+        for m in self.sizes:
+            if end - m + 1 < 0:
+                continue
+            suffix = tuple(history[end - m + 1 : end + 1])
+            places = [lagged_copy(history, end - hit, k)
+                      for hit in (self.last_end[m].get(suffix), self.prev_end[m].get(suffix)) if hit is not None]
+            if corpus is not None:
+                places += corpus.continuations(suffix, k, exclude=self.doc)
+            for cand in places:
+                n = min(len(cand), len(first))
+                if cand and cand[:n] != first[:n]:
+                    return cand
+        return []
 
     def _lookup(self, context: list[int], k: int, corpus: SharedCorpus | None
                 ) -> tuple[list[int], tuple[bool, int] | None]:
@@ -196,14 +228,17 @@ def propose_ngram(history: list[int], k: int, sizes: tuple[int, ...] = (3, 2)) -
 class NgramState:
     index: SuffixIndex | None
     drafts: list[int] = field(default_factory=list)
+    plan: TreePlan | None = None  # this step's two branches, when it has a second candidate
 
 
 def finish_chains(drafts: list[list[int]], logits: torch.Tensor, ctx: StepContext, tau: float = 0.0
                   ) -> list[StepOutcome]:
-    """Steps [pending, d_1 … d_j] verified as one batch (logits [B, depth + 1, V], layouts
-    padded past each chain): each chain is a deterministic draft (one-hot q), so the p/q rule
-    keeps AR's distribution at tau = 0; the accepted drafts and the corrected / bonus token."""
-    depth = logits.shape[1] - 1
+    """Steps [pending, d_1 … d_j] verified as one batch (logits [B, W, V] of layouts padded
+    past each chain, W > the longest chain): each chain is a deterministic draft (one-hot q), so
+    the p/q rule keeps AR's distribution at tau = 0; the accepted drafts and the corrected /
+    bonus token."""
+    depth = max((len(d) for d in drafts), default=0)
+    logits = logits[:, : depth + 1]  # the rows past every chain are another branch's or padding
     device = logits.device
     num = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=device)
     padded = torch.tensor([d + [0] * (depth - len(d)) for d in drafts], dtype=torch.long,
@@ -223,18 +258,32 @@ class NgramMode(Mode):
         self.corpus = corpus
         self.tau = tau
         self.seeds_per_step = config.num_draft + 1
-        self.max_width = config.num_draft + 1
+        self.max_width = config.branches * config.num_draft + 1
 
     def start(self, seq: DecodeSequence) -> None:
         seq.state = NgramState(context_index(seq, self.config, self.corpus))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
-        out = []
+        k, out = self.config.num_draft, []
         for s in seqs:
-            drafts = s.state.index.propose(s.history, self.config.num_draft, shared=s.sampling.greedy)
-            s.state.drafts = grammar_valid(s, drafts)
-            out.append(StepLayout([s.pending, *s.state.drafts]))
+            st = s.state
+            st.drafts = grammar_valid(s, st.index.propose(s.history, k, shared=s.sampling.greedy))
+            second = (grammar_valid(s, st.index.alternative(s.history, k, st.drafts, shared=s.sampling.greedy))
+                      if self.config.branches > 1 and st.drafts else [])
+            if second:
+                lay, st.plan = build_branches(s.pending, [(st.drafts, 0), (second, 0)], fill_token=s.pending)
+            else:
+                lay, st.plan = StepLayout([s.pending, *st.drafts]), None
+            out.append(lay)
         return out
 
     def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
+        return finish_split(seqs, logits, ctx, self._finish_chains, self._finish_tree)
+
+    def _finish_chains(self, seqs, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
         return finish_chains([s.state.drafts for s in seqs], logits, ctx, self.tau)
+
+    def _finish_tree(self, seq: DecodeSequence, logits: torch.Tensor, ctx: StepContext) -> StepOutcome:
+        """Both candidates as one-hot draft paths (`tree_verify`): lossless like a single chain."""
+        plan, seq.state.plan = seq.state.plan, None
+        return path_outcome(plan, verify_paths(logits, plan.paths, ctx.seeds[0], tau=self.tau, **ctx.row(0)))

@@ -35,7 +35,7 @@ from selfspec.decoding.sampling import sample_from_probs
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
-from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split, verify_paths
+from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split, path_outcome, verify_paths
 
 
 @dataclass
@@ -198,9 +198,8 @@ class SJDMode(Mode):
         res = verify_paths(logits, plan.paths, ctx.seeds[0], **ctx.row(0))
         path = plan.paths[res.path]
         rows = path.rows + [path.end_row]  # rows[r] predicts the chain's position r + 1
-        positions = rows[1:]  # step index of draft i
         preds, probs = self._predictions(logits[rows].unsqueeze(0), ctx)
-        emit = path.tokens[: res.accepted] + [res.next_token]
-        self._advance(seq, emit, res.accepted, preds[0].tolist(), None if probs is None else probs[0],
+        outcome = path_outcome(plan, res)
+        self._advance(seq, outcome.emit, res.accepted, preds[0].tolist(), None if probs is None else probs[0],
                       bool(ctx.greedy[0]))
-        return StepOutcome(emit, [0] + positions[: res.accepted], res.accepted)
+        return outcome

@@ -182,3 +182,11 @@ def _holding(paths: list[DraftPath], alive: list[int], depth: int, token: int) -
 def _finished(paths: list[DraftPath], alive: list[int], depth: int) -> int:
     """The path the walk stopped on: one that was accepted to its end if any (its tail is valid)."""
     return next((p for p in alive if len(paths[p].tokens) == depth), alive[0])
+
+
+def path_outcome(plan: TreePlan, res: PathResult) -> StepOutcome:
+    """What a verified tree step commits: the winning path's accepted drafts and the next token,
+    and the step indices whose KV is kept (the pending token's, then each accepted draft's)."""
+    path = plan.paths[res.path]
+    positions = path.rows[1:] + [path.end_row]  # step index of draft i is positions[i]
+    return StepOutcome(path.tokens[: res.accepted] + [res.next_token], [0] + positions[: res.accepted], res.accepted)

@@ -41,9 +41,13 @@ GRIDS: dict[str, list[dict[str, Any]]] = {
 }
 GRIDS["risd"] = GRIDS["isd"]
 #: lookup steps (`ngram.NgramMode` as a plan bucket) with the context options the modes' own
-#: candidates use: the longer suffixes first, other requests' text for greedy rows
-LOOKUP_GRID: list[dict[str, Any]] = [{"num_draft": k, "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True}
-                                     for k in (4, 8, 12, 16)]
+#: candidates use: the longer suffixes first, other requests' text for greedy rows. A second
+#: candidate (branches 2) commits ~10% more per step for ~50% more query tokens on tiny-idlm
+#: (README "Lookup steps in every mode's plan"): a longer single candidate does better where
+#: query tokens cost (a CPU), the second branch where they are nearly free.
+LOOKUP_GRID: list[dict[str, Any]] = (
+    [{"num_draft": k, "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True} for k in (4, 8, 12, 16)]
+    + [{"num_draft": k, "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True, "branches": 2} for k in (8, 12)])
 
 
 @dataclass
@@ -61,8 +65,9 @@ class Candidate:
     def label(self) -> str:
         if self.mode == "ar":
             return "ar"
-        if self.mode == "ngram":  # the grid varies the draft length only
-            return f"lookup={self.options['num_draft']}"
+        if self.mode == "ngram":  # the grid varies the draft length and the branches only
+            branches = self.options.get("branches", 1)
+            return f"lookup={self.options['num_draft']}" + (f"x{branches}" if branches > 1 else "")
         return ",".join(f"{k}={v}" for k, v in self.options.items()) or "defaults"
 
     def to_dict(self) -> dict[str, Any]:
