@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 
@@ -114,8 +115,13 @@ def main() -> None:
                    help="a `selfspec tune --json` report: attach its predictions first (as --predictions does)")
     p.add_argument("--markdown", action="store_true", help="the README's table form instead")
     args = p.parse_args()
-    with open(args.report) as f:
-        report = json.load(f)
+    for path in filter(None, (args.report, args.predictions)):
+        if not Path(path).is_file():
+            p.error(f"{path}: no such file")
+    try:
+        report = json.loads(Path(args.report).read_text())
+    except json.JSONDecodeError as e:
+        p.error(f"{args.report}: not a JSON report ({e})")
     if args.predictions:
         from selfspec.benchmarks import predictions
 

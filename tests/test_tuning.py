@@ -100,6 +100,10 @@ def test_every_modes_plan_may_run_lookup_steps_where_its_own_are_too_wide():
                                      registry.ModeResources(vocab_size=64))
     step = planned.greedy_modes[planned.plan.bucket(4, False)]
     assert isinstance(step, NgramMode) and step.config.num_draft == 4 and step.config.corpus
+    from selfspec.tuning.command import _own_steps_note
+
+    assert not _own_steps_note("jacobi", {"greedy": written})  # batch 1 runs JACOBI
+    assert "no batch size runs JACOBI's own steps" in _own_steps_note("jacobi", {"greedy": written[1:]})[0]
     # a greedy-only mode's sampled batches run AR steps, lookup candidates or not
     assert [c.mode for c in servable(cands, "sampled", greedy_only=True)] == ["ar"]
     assert servable(cands, "greedy", greedy_only=True) == cands

@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             plan[kind] = [b.to_dict() for b in buckets(choices)]
             lines += _overhead_text(kind, overheads[m][kind])
             lines += _choice_text(m, kind, cands[m], choices, batch_sizes)
+        lines += _own_steps_note(m, plan)
         out = Path(args.out.format(host=host, mode=m))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(_yaml_text(m, plan, table, cands[m], lines, args))
@@ -180,6 +181,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _own_steps_note(mode: str, plan: dict[str, list[dict]]) -> list[str]:
+    """A line saying so when the plan never runs the mode's own steps (a user who asked for
+    JACOBI would otherwise find lookup and AR steps in its plan with no word why)."""
+    if any(b["mode"] == mode for buckets in plan.values() for b in buckets):
+        return []
+    return [f"note: no batch size runs {mode.upper()}'s own steps: on this machine and model its plan serves "
+            "lookup steps (mode ngram) and plain AR steps, predicted faster at every batch size (table above)"]
 
 
 def _overhead_flag(text: str | None):
