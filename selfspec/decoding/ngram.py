@@ -226,7 +226,7 @@ def propose_ngram(history: list[int], k: int, sizes: tuple[int, ...] = (3, 2)) -
 
 @dataclass
 class NgramState:
-    index: SuffixIndex | None
+    index: SuffixIndex
     drafts: list[int] = field(default_factory=list)
     plan: TreePlan | None = None  # this step's two branches, when it has a second candidate
 
