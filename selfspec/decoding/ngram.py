@@ -120,11 +120,13 @@ class SuffixIndex:
     history at each suffix length."""
 
     def __init__(self, sizes: tuple[int, ...], corpus: SharedCorpus | None = None, seq: DecodeSequence | None = None,
-                 weak_caps: dict[tuple[bool, int], int] | None = None):
+                 weak_caps: dict[tuple[bool, int], int] | None = None, keep_previous: bool = False):
+        """`keep_previous`: also index each m-gram's occurrence before its latest (for
+        `alternative`; off, the indexing of every new token stays one dict write per length)."""
         self.sizes = sizes
         self.weak_caps = weak_caps or {}
         self.last_end: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in sizes}
-        self.prev_end: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in sizes}  # the one before
+        self.prev_end: dict[int, dict[tuple[int, ...], int]] | None = {m: {} for m in sizes} if keep_previous else None
         self.indexed = 0  # m-grams ending before this position are indexed
         self.corpus = corpus
         self.doc: int | None = None
@@ -146,9 +148,8 @@ class SuffixIndex:
             for m in self.sizes:
                 if pos - m + 1 >= 0:
                     key = tuple(history[pos - m + 1 : pos + 1])
-                    before = self.last_end[m].get(key)
-                    if before is not None:
-                        self.prev_end[m][key] = before
+                    if self.prev_end is not None and key in self.last_end[m]:
+                        self.prev_end[m][key] = self.last_end[m][key]
                     self.last_end[m][key] = pos
         self.indexed = max(self.indexed, end)
         if self.corpus is not None:  # the corpus holds what the own index holds: history[:end]
@@ -173,7 +174,10 @@ class SuffixIndex:
         """A second candidate of up to k tokens that differs from `first` (the `propose` of this
         step) within their common length: the continuation of the longest suffix at another
         place — an earlier occurrence in the own history, else the latest or previous one in
-        the corpus; [] when every place continues like `first`. Call after `propose`."""
+        the corpus; [] when every place continues like `first`. Call after `propose`, on an index
+        made with `keep_previous`."""
+        if self.prev_end is None:
+            raise ValueError("SuffixIndex.alternative needs keep_previous=True")
         end = len(history) - 1
         corpus = self.corpus if shared else None
         for m in self.sizes:
@@ -210,13 +214,14 @@ class SuffixIndex:
         return [], None
 
 
-def context_index(seq: DecodeSequence, config, corpus: SharedCorpus | None) -> SuffixIndex | None:
+def context_index(seq: DecodeSequence, config, corpus: SharedCorpus | None,
+                  keep_previous: bool = False) -> SuffixIndex | None:
     """The context lookup for `seq` of a mode whose `config` has the `context_*` options (None
-    when its candidates are off: `context_tokens` == 0)."""
+    when its candidates are off: `context_tokens` == 0); `keep_previous`: see `SuffixIndex`."""
     if not config.context_tokens:
         return None
     return SuffixIndex(config.context_match_sizes, corpus if config.context_corpus else None, seq,
-                       WEAK_MATCH_CAPS if config.context_caps else None)
+                       WEAK_MATCH_CAPS if config.context_caps else None, keep_previous)
 
 
 def propose_ngram(history: list[int], k: int, sizes: tuple[int, ...] = (3, 2)) -> list[int]:
@@ -261,7 +266,7 @@ class NgramMode(Mode):
         self.max_width = config.branches * config.num_draft + 1
 
     def start(self, seq: DecodeSequence) -> None:
-        seq.state = NgramState(context_index(seq, self.config, self.corpus))
+        seq.state = NgramState(context_index(seq, self.config, self.corpus, keep_previous=self.config.branches > 1))
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         k, out = self.config.num_draft, []

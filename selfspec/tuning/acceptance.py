@@ -45,9 +45,9 @@ GRIDS["risd"] = GRIDS["isd"]
 #: candidate (branches 2) commits ~10% more per step for ~50% more query tokens on tiny-idlm
 #: (README "Lookup steps in every mode's plan"): a longer single candidate does better where
 #: query tokens cost (a CPU), the second branch where they are nearly free.
-LOOKUP_GRID: list[dict[str, Any]] = (
-    [{"num_draft": k, "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True} for k in (4, 8, 12, 16)]
-    + [{"num_draft": k, "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True, "branches": 2} for k in (8, 12)])
+LOOKUP_GRID: list[dict[str, Any]] = [
+    {"num_draft": k, "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True, **({"branches": b} if b > 1 else {})}
+    for k, b in ((4, 1), (8, 1), (12, 1), (16, 1), (8, 2), (12, 2))]
 
 
 @dataclass
