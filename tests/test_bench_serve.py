@@ -238,3 +238,63 @@ def test_context_lookup_replays_what_each_drafter_commits():
     assert first.tokens_per_step == 1.0 and second.tokens_per_step > 6
     assert cl.committed_by([[1, 2, 9], [1, 5]], [1, 2, 3, 4]) == 3  # the best path's 2 + 1
     assert cl.committed_by([[1, 2, 3]], [1, 2]) == 2  # never past the output's end
+
+
+def test_interleaved_levels_run_the_same_chunks_through_every_server_in_turn(monkeypatch, tmp_path):
+    """--interleave: every server is up at once; a level's prompts run in rounds of at least C
+    requests, each round through every server, forward then backward, and a level's numbers sum
+    its rounds. A failed start leaves its row in error and the others running; all are stopped."""
+    assert serve.interleave_chunks(list("abcdefgh"), 4, 2) == [["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"]]
+    assert serve.interleave_chunks(list("abcdefgh"), 4, 3) == [["a", "b", "c", "d"], ["e", "f", "g", "h"]]
+    assert serve.interleave_chunks(list("abcd"), 3, 8) == [["a", "b", "c", "d"]]  # never under C a chunk
+    assert serve.round_order([1, 2, 3], 0) == [1, 2, 3] and serve.round_order([1, 2, 3], 1) == [3, 2, 1]
+
+    calls, stopped = [], []
+
+    class FakeServer:
+        def __init__(self, spec, log_path=None, startup_timeout=0):
+            self.label = log_path.stem.removeprefix("server-")
+            self.base_url, self.flags = f"http://{self.label}", spec.extra_args
+
+        def start(self):
+            if self.label == "broken":
+                raise RuntimeError("no port")
+
+        def stop(self):
+            stopped.append(self.label)
+
+    def fake_requests(base_url, prompts, concurrency, max_tokens, temperature, ignore_eos):
+        if prompts != ["def warmup():\n"] * 2:
+            calls.append((base_url.removeprefix("http://"), concurrency, tuple(prompts)))
+        results = [_request(list(range(10)), 0.5, 4) for _ in prompts]
+        return serve.Chunk(results, [], 0.25 * len(prompts))
+
+    monkeypatch.setattr(serve, "run_requests", fake_requests)
+    monkeypatch.setattr(serve, "server_stats", lambda base_url: {})
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--modes", "ngram,broken=sjd", "--concurrency", "1,2", "--num-prompts", "4",
+                              "--interleave", "2", "--genai-bench", "off"])
+    modes = serve.parse_modes(args.modes)
+    prompts = [f"p{i}" for i in range(8)]
+    servers = []
+    rows = serve._bench_interleaved(modes, args, tmp_path, prompts, [1, 2], tmp_path, False, 0,
+                                    lambda *a, **k: servers.append(FakeServer(*a, **k)) or servers[-1], _Spec)
+    assert all(s.flags[-1] == "--sleep-on-idle" for s in servers)  # an idle server leaves the cores alone
+    assert [r["label"] for r in rows] == ["ar", "ngram", "broken"]
+    assert rows[2]["status"] == "error" and "no port" in rows[2]["reason"]
+    assert calls == [("ar", 1, ("p0", "p1")), ("ngram", 1, ("p0", "p1")),
+                     ("ngram", 1, ("p2", "p3")), ("ar", 1, ("p2", "p3")),
+                     ("ar", 2, ("p4", "p5")), ("ngram", 2, ("p4", "p5")),
+                     ("ngram", 2, ("p6", "p7")), ("ar", 2, ("p6", "p7"))]
+    for row in rows[:2]:
+        assert [(lv["concurrency"], lv["requests"], lv["wall_s"]) for lv in row["levels"]] == [(1, 4, 1.0), (2, 4, 1.0)]
+        assert row["levels"][0]["output_tok_s"] == 40.0 and row["levels"][0]["tpf"] == 40 / 20
+    assert sorted(stopped) == ["ar", "broken", "ngram"]
+    with pytest.raises(SystemExit, match="--interleave"):
+        serve.run(parser.parse_args(["--modes", "ar", "--interleave", "-1"]))
+
+
+class _Spec:
+    def __init__(self, model, port=None, extra_args=()):
+        self.extra_args = list(extra_args)

@@ -12,6 +12,11 @@ With genai-bench installed (`--genai-bench auto`, the default) the same server i
 by genai-bench at the same concurrencies (synthetic D(input, output) traffic), the load
 generator users run; its headline numbers are stored beside ours.
 
+With `--interleave ROUNDS` every mode's server is up at once instead (the idle ones asleep), and
+each level's prompts are cut into ROUNDS chunks that run through every server in turn, forward
+then backward: the modes meet the same drift of a shared machine (10-30% over minutes on the
+2-core VM, more than the gaps between modes) instead of each meeting its own.
+
 Reported per mode and concurrency: output tokens/s (all requests' completion tokens over the
 wall time of the level), TPOT p50 / p99 (per request: (end - first token) / (tokens - 1)),
 TTFT p50, TPF (tokens per forward, prefill included: completion tokens / (decode forwards + 1),
@@ -28,7 +33,7 @@ builtin NGRAM verifies by argmax on CPU even when a temperature is set (`ngram_v
 JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
 
     {"schema": ..., "model": str, "prompts_file": str, "num_prompts": int, "prompts_available": int,
-     "max_tokens": int,
+     "max_tokens": int, "interleave": int,                    # ROUNDS, 0: one server at a time
      "temperature": float, "concurrency": [int], "device": "cpu" | "cuda", "genai_bench": bool,
      "results": [{"mode": str, "status": "ok" | "skipped" | "error", "reason": str | null,
                   "server_args": [str], "startup_s": float,
@@ -36,7 +41,7 @@ JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
                   "levels": [{"concurrency": int, "requests": int, "tokens": int, "wall_s": float,
                               "output_tok_s": float, "tpot_ms_p50": float, "tpot_ms_p99": float,
                               "ttft_ms_p50": float, "tpf": float | null, "ratio_vs_ar": float | null,
-                              "errors": int,
+                              "errors": int, "round_tok_s": [float],  # per chunk (one per round)
                               "genai_bench": {"output_tok_s": float, "tpot_ms_p50": float, ...} | null,
                               "per_request_tok_s": float,     # tokens / sum of request latencies
                               "repetition_loops": int | null, # requests whose output ends in a loop
@@ -70,6 +75,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +151,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "wait on each other slow a small shared machine down)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--log-dir", default=None, help="keep server and genai-bench logs here")
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="keep every mode's server up at once (idle ones asleep) and run each level's prompts in "
+                        "ROUNDS chunks, every chunk through every server in turn (order reversed on odd rounds): the "
+                        "modes meet the same drift of a shared machine. 0 (default): one server at a time")
     parser.add_argument("--predictions", default=None, metavar="TUNE.json",
                         help="a `selfspec tune --json` report: print its predicted tok/s beside the AR row and the "
                         "rows served with its plans (--mode-args 'LABEL=--selfspec-config <its config>')")
@@ -206,13 +216,22 @@ def server_stats(base_url: str) -> dict:
     return {"selfspec": st.get("selfspec"), "avg_spec_accept_length": st.get("avg_spec_accept_length")}
 
 
-def run_level(base_url: str, prompts: list[str], concurrency: int, max_tokens: int, temperature: float,
-              ignore_eos: bool) -> dict:
+@dataclass
+class Chunk:
+    """One closed-loop pass of some prompts through a server: what each request returned."""
+    results: list[dict]
+    errors: list[str]
+    wall_s: float
+    stats: tuple[int, int] | None = None  # (committed tokens, forwards) the server counted meanwhile
+
+
+def run_requests(base_url: str, prompts: list[str], concurrency: int, max_tokens: int, temperature: float,
+                 ignore_eos: bool) -> Chunk:
     import openai
 
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=3600)
     results: list[dict] = []
-    errors = []
+    errors: list[str] = []
     lock = threading.Lock()
     queue = list(prompts)
 
@@ -234,7 +253,15 @@ def run_level(base_url: str, prompts: list[str], concurrency: int, max_tokens: i
     with ThreadPoolExecutor(concurrency) as ex:
         for _ in range(concurrency):
             ex.submit(worker)
-    wall = time.perf_counter() - t0
+    return Chunk(results, errors, time.perf_counter() - t0)
+
+
+def summarize_level(concurrency: int, chunks: list[Chunk]) -> dict:
+    """One level's numbers from the chunks it ran in (one, or one per round of `--interleave`):
+    tokens over the summed wall time, latency percentiles over every request."""
+    results = [r for ch in chunks for r in ch.results]
+    errors = [e for ch in chunks for e in ch.errors]
+    wall = sum(ch.wall_s for ch in chunks)
     tokens = sum(r["tokens"] for r in results)
     tpots = [r["tpot"] * 1e3 for r in results if r["tpot"] == r["tpot"]]
     level = {
@@ -243,12 +270,20 @@ def run_level(base_url: str, prompts: list[str], concurrency: int, max_tokens: i
         "tpot_ms_p50": _percentile(tpots, 0.5), "tpot_ms_p99": _percentile(tpots, 0.99),
         "ttft_ms_p50": _percentile([r["ttft"] * 1e3 for r in results], 0.5),
         "errors": len(errors), "first_error": errors[0] if errors else None,
+        # each chunk's own rate: how far the rounds of an interleaved level disagree
+        "round_tok_s": [sum(r["tokens"] for r in ch.results) / ch.wall_s if ch.wall_s > 0 else 0.0 for ch in chunks],
     }
     has_verify = any("verify_ct" in r for r in results)  # a request that ended at its prefill reports no details
     if has_verify:
         level["tpf"] = tokens / sum(r.get("verify_ct", 0) + 1 for r in results)
     level.update(loop_split(results, has_verify))
     return level
+
+
+def run_level(base_url: str, prompts: list[str], concurrency: int, max_tokens: int, temperature: float,
+              ignore_eos: bool) -> dict:
+    return summarize_level(concurrency, [run_requests(base_url, prompts, concurrency, max_tokens, temperature,
+                                                      ignore_eos)])
 
 
 def loop_split(results: list[dict], has_verify: bool) -> dict:
@@ -266,12 +301,12 @@ def loop_split(results: list[dict], has_verify: bool) -> dict:
     return out
 
 
-def _tpf_from_stats(before: dict, after: dict) -> float | None:
+def stats_delta(before: dict, after: dict) -> tuple[int, int] | None:
+    """(committed tokens, forwards) a selfspec server counted between two `server_stats`."""
     a, b = after.get("selfspec"), before.get("selfspec")
     if a and b is not None:
-        forwards = a["forwards"] - (b or {}).get("forwards", 0)
-        committed = a["committed_tokens"] - (b or {}).get("committed_tokens", 0)
-        return committed / forwards if forwards > 0 else None
+        return (a["committed_tokens"] - (b or {}).get("committed_tokens", 0),
+                a["forwards"] - (b or {}).get("forwards", 0))
     return None
 
 
@@ -377,6 +412,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    if args.interleave < 0:
+        raise SystemExit(f"--interleave {args.interleave}: give the number of rounds (>= 1), or 0 for one server at a time")
     tune = predictions.load(args.predictions) if args.predictions else None
     model_dir, adapter = resolve_with_adapter(args.model)  # an adapter-only model: its base, and RISD's adapter
     if adapter is not None and args.lora is None:
@@ -398,10 +435,15 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens, "temperature": args.temperature, "concurrency": levels,
         "device": "cuda" if gpu else "cpu", "genai_bench": use_genai, "log_dir": str(log_dir), "results": [],
     }
+    report["interleave"] = args.interleave
     with server_threads(None if gpu else args.cpu_threads):
-        for mode in modes:
-            report["results"].append(_bench_mode(mode, args, model_dir, all_prompts, levels, log_dir, use_genai,
-                                                 input_tokens, ServerProcess, ServerSpec))
+        if args.interleave:
+            report["results"] = _bench_interleaved(modes, args, model_dir, all_prompts, levels, log_dir, use_genai,
+                                                   input_tokens, ServerProcess, ServerSpec)
+        else:
+            for mode in modes:
+                report["results"].append(_bench_mode(mode, args, model_dir, all_prompts, levels, log_dir,
+                                                     use_genai, input_tokens, ServerProcess, ServerSpec))
 
     finish_report(report)
     if tune is not None:
@@ -445,8 +487,10 @@ def _mean_prompt_tokens(model_dir: Path, prompts: list[str]) -> int:
     return int(round(statistics.mean(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)))
 
 
-def _bench_mode(run: ModeRun, args, model_dir, all_prompts, levels, log_dir, use_genai, input_tokens,
-                ServerProcess, ServerSpec) -> dict:
+def _start_row(run: ModeRun, args, model_dir, log_dir, ServerProcess, ServerSpec,
+               flags: tuple[str, ...] = ()) -> tuple[dict, Any]:
+    """A mode's report row and its started, warmed-up server (None where the row is skipped or its
+    server did not start: the row says why)."""
     mode, label = run.mode, run.label
     extra, skip = _mode_extra(run, args, model_dir)
     row: dict[str, Any] = {"mode": mode, "label": label, "status": "ok", "reason": None, "server_args": extra or [], "levels": [],
@@ -454,50 +498,130 @@ def _bench_mode(run: ModeRun, args, model_dir, all_prompts, levels, log_dir, use
     if skip:
         row.update(status="skipped", reason=skip)
         print(f"[bench serve] {label}: skipped ({skip})", file=sys.stderr)
-        return row
+        return row, None
     log = log_dir / f"server-{label}.log"
-    proc = ServerProcess(ServerSpec(str(model_dir), port=None, extra_args=extra), log_path=log,
+    proc = ServerProcess(ServerSpec(str(model_dir), port=None, extra_args=extra + list(flags)), log_path=log,
                          startup_timeout=args.startup_timeout)
     t0 = time.perf_counter()
     try:
         proc.start()
+        row["startup_s"] = time.perf_counter() - t0
+        run_level(proc.base_url, ["def warmup():\n"] * 2, 1, min(8, args.max_tokens), args.temperature,
+                  False)  # warm-up
     except Exception as e:
         tail = log.read_text()[-3000:] if log.exists() else ""
         row.update(status="error", reason=f"server did not start: {e}\n{tail}")
         print(f"[bench serve] {label}: server did not start; see {log}", file=sys.stderr)
         proc.stop()
-        return row
-    row["startup_s"] = time.perf_counter() - t0
+        return row, None
+    return row, proc
+
+
+def _timed_chunk(proc, prompts: list[str], concurrency: int, args) -> Chunk:
+    before = server_stats(proc.base_url)
+    chunk = run_requests(proc.base_url, prompts, concurrency, args.max_tokens, args.temperature, args.ignore_eos)
+    chunk.stats = stats_delta(before, server_stats(proc.base_url))
+    return chunk
+
+
+def _level_row(mode: str, label: str, concurrency: int, chunks: list[Chunk]) -> dict:
+    lv = summarize_level(concurrency, chunks)
+    if "tpf" not in lv:  # no per-request details: the server's own counts, or AR's one forward a token
+        counted = [ch.stats for ch in chunks if ch.stats is not None]
+        forwards = sum(f for _, f in counted)
+        lv["tpf"] = 1.0 if mode == "ar" else (sum(c for c, _ in counted) / forwards if forwards > 0 else None)
+        if mode == "ar" and lv["non_loop"] and lv["non_loop"]["outputs"]:
+            lv["non_loop"].update(forwards=lv["non_loop"]["tokens"], tpf=1.0)
+    lv["genai_bench"] = None
+    print(f"[bench serve] {label:6s} C={concurrency:<3d} {lv['output_tok_s']:8.1f} tok/s  TPOT p50 "
+          f"{lv['tpot_ms_p50']:7.1f} ms  TPF {lv['tpf'] if lv['tpf'] is not None else float('nan'):.2f}",
+          file=sys.stderr)
+    return lv
+
+
+def _add_genai_bench(row: dict, proc, args, model_dir, levels, log_dir, input_tokens) -> None:
     try:
-        run_level(proc.base_url, ["def warmup():\n"] * 2, 1, min(8, args.max_tokens), args.temperature,
-                  False)  # warm-up
+        gb = run_genai_bench(proc.base_url, str(model_dir), levels, input_tokens, args.max_tokens,
+                             args.num_prompts, log_dir / f"genai-bench-{row['label']}")
+        for lv in row["levels"]:
+            lv["genai_bench"] = gb.get(lv["concurrency"])
+    except Exception as e:  # genai-bench is a second opinion; never fail the run on it
+        row["genai_bench_error"] = repr(e)
+
+
+def _bench_mode(run: ModeRun, args, model_dir, all_prompts, levels, log_dir, use_genai, input_tokens,
+                ServerProcess, ServerSpec) -> dict:
+    row, proc = _start_row(run, args, model_dir, log_dir, ServerProcess, ServerSpec)
+    if proc is None:
+        return row
+    try:
         for i, c in enumerate(levels):
             prompts = level_prompts(all_prompts, level_sizes(levels, args.num_prompts), i)
-            before = server_stats(proc.base_url)
-            lv = run_level(proc.base_url, prompts, c, args.max_tokens, args.temperature, args.ignore_eos)
-            after = server_stats(proc.base_url)
-            if "tpf" not in lv:
-                lv["tpf"] = 1.0 if mode == "ar" else _tpf_from_stats(before, after)
-                if mode == "ar" and lv["non_loop"] and lv["non_loop"]["outputs"]:  # AR: one forward per token
-                    lv["non_loop"].update(forwards=lv["non_loop"]["tokens"], tpf=1.0)
-            lv["genai_bench"] = None
-            row["levels"].append(lv)
-            print(f"[bench serve] {label:6s} C={c:<3d} {lv['output_tok_s']:8.1f} tok/s  TPOT p50 "
-                  f"{lv['tpot_ms_p50']:7.1f} ms  TPF {lv['tpf'] if lv['tpf'] is not None else float('nan'):.2f}",
-                  file=sys.stderr)
+            row["levels"].append(_level_row(run.mode, run.label, c, [_timed_chunk(proc, prompts, c, args)]))
         if use_genai:
-            try:
-                gb = run_genai_bench(proc.base_url, str(model_dir), levels, input_tokens, args.max_tokens,
-                                     args.num_prompts, log_dir / f"genai-bench-{label}")
-                for lv in row["levels"]:
-                    lv["genai_bench"] = gb.get(lv["concurrency"])
-            except Exception as e:  # genai-bench is a second opinion; never fail the run on it
-                row["genai_bench_error"] = repr(e)
+            _add_genai_bench(row, proc, args, model_dir, levels, log_dir, input_tokens)
     except Exception as e:
         row.update(status="error", reason=repr(e))
     finally:
         proc.stop()
     return row
+
+
+#: what one idle tiny-model server holds (its three processes' resident memory, fewer pages shared)
+SERVER_MEMORY_GIB = 2.5
+
+
+def interleave_chunks(prompts: list[str], rounds: int, concurrency: int) -> list[list[str]]:
+    """A level's prompts as `rounds` consecutive chunks of at least C requests each (fewer chunks
+    where the level holds fewer than rounds x C: a chunk always fills its concurrency)."""
+    n = max(1, min(rounds, len(prompts) // max(1, concurrency)))
+    bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
+    return [prompts[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def round_order(items: list, round_index: int) -> list:
+    """Forward on even rounds, backward on odd ones (A B C, C B A, ...): no mode always runs first."""
+    return list(items) if round_index % 2 == 0 else list(items)[::-1]
+
+
+def _check_interleave_memory(modes: list[ModeRun]) -> None:
+    import psutil
+
+    need = len(modes) * SERVER_MEMORY_GIB
+    free = psutil.virtual_memory().available / 2**30
+    if need > free:
+        raise SystemExit(f"--interleave keeps every mode's server up at once: {len(modes)} servers need about "
+                         f"{need:.0f} GiB, {free:.0f} GiB is available. Run fewer --modes (ABBA labels are not needed "
+                         f"with --interleave), or drop --interleave to serve one mode at a time.")
+
+
+def _bench_interleaved(modes: list[ModeRun], args, model_dir, all_prompts, levels, log_dir, use_genai,
+                       input_tokens, ServerProcess, ServerSpec) -> list[dict]:
+    """Every mode's server up at once (idle ones asleep, `--sleep-on-idle`); each level's prompts
+    run in `args.interleave` rounds, each round's chunk through every server in turn. A shared
+    machine drifts by 10-30% over minutes; run this way every mode meets the same drift."""
+    _check_interleave_memory(modes)
+    started = []
+    try:
+        for run in modes:
+            started.append(_start_row(run, args, model_dir, log_dir, ServerProcess, ServerSpec, ("--sleep-on-idle",)))
+        live = [(row, proc) for row, proc in started if proc is not None]
+        for i, c in enumerate(levels):
+            prompts = level_prompts(all_prompts, level_sizes(levels, args.num_prompts), i)
+            chunks: dict[str, list[Chunk]] = {row["label"]: [] for row, _ in live}
+            for r, part in enumerate(interleave_chunks(prompts, args.interleave, c)):
+                for row, proc in round_order(live, r):
+                    chunks[row["label"]].append(_timed_chunk(proc, part, c, args))
+            for row, _ in live:
+                row["levels"].append(_level_row(row["mode"], row["label"], c, chunks[row["label"]]))
+        if use_genai:
+            for row, proc in live:
+                _add_genai_bench(row, proc, args, model_dir, levels, log_dir, input_tokens)
+    finally:
+        for _, proc in started:
+            if proc is not None:
+                proc.stop()
+    return [row for row, _ in started]
 
 
 def format_table(report: dict) -> str:
