@@ -214,29 +214,36 @@ def test_repeated_span_takes_fewer_forwards(mode):
 
 
 # ------------------------------------------------------------------ the corpus across requests
-def test_corpus_continues_other_documents_and_forgets_the_oldest():
-    corpus = SharedCorpus(capacity=12)
-    a, b = corpus.open(), corpus.open()
+def test_corpus_continues_what_most_occurrences_agree_on_and_forgets_the_oldest():
+    from selfspec.decoding.corpus import OCCURRENCES
+
+    corpus = SharedCorpus(capacity=24)
+    a, b, c = corpus.open(), corpus.open(), corpus.open()
     corpus.append(a, [1, 2, 3, 4, 5, 6])
     corpus.append(b, [9, 2, 3, 7])
-    assert corpus.continuation((2, 3), 1) == [7]  # the latest occurrence: b's
-    # b is still being written: its one token is less than asked, the occurrence before it has more
-    assert corpus.continuation((2, 3), 3) == [4, 5, 6]
+    assert corpus.continuation((2, 3), 3) == [7]  # one occurrence each: the latest (b's, still being written)
+    corpus.append(c, [2, 3, 4, 5, 8])
+    d = corpus.open()
+    corpus.append(d, [2, 3, 9, 9, 9])
+    assert corpus.continuation((2, 3), 3) == [4, 5, 8]  # two of four go on with 4, 5 (d's is the latest)
+    assert corpus.continuation((2, 3), 3, exclude=c) == [9, 9, 9]  # a, b, d: a tie, the latest
+    assert corpus.continuations((2, 3), 2) == [[9, 9], [4, 5], [7], [4, 5]]  # every kept place, latest first
     assert corpus.continuation((1, 2, 3), 2) == [4, 5]  # a length first asked for: indexed on demand
-    c = corpus.open()
-    corpus.append(c, [2, 3])  # the latest (2, 3) is c's own, searched elsewhere: the one before, b's
-    assert corpus.continuation((2, 3), 2, exclude=c) == [7]  # two occurrences are kept, not a's too
-    corpus.append(b, [8, 8])  # 14 tokens > 12: a is dropped, with its entries
-    assert corpus.tokens == 8 and corpus.length(a) == 0
-    assert corpus.continuation((1, 2, 3), 2) == [] and corpus.continuation((4, 5), 1) == []
-    assert corpus.continuation((2, 3), 3, exclude=c) == [7, 8, 8]
+    corpus.append(b, [8] * 6)  # 26 tokens > 24: a is dropped, with its entries
+    assert corpus.tokens == 20 and corpus.length(a) == 0
+    assert corpus.continuation((1, 2, 3), 2) == [] and corpus.continuation((5, 6), 1) == []
+    assert corpus.continuation((2, 3), 3) == [9, 9, 9] and corpus.continuation((2, 3), 3, exclude=d) == [4, 5, 8]
+    loop = SharedCorpus()
+    loop.append(loop.open(), [2, 3, 0] * 10 + [2, 3, 1])
+    assert loop.continuation((2, 3), 1) == [0]  # seven 0s against the latest, a 1
+    assert len(loop.places[2][hash((2, 3))]) == OCCURRENCES  # the latest ones only
 
 
 def test_the_longest_match_picks_the_continuation_and_a_hash_collision_drafts_nothing(monkeypatch):
     """With the default match sizes a longer suffix match wins over the latest short one: in a
     corpus of many requests a 2-gram recurs everywhere and its latest occurrence is often the
     wrong text. The corpus indexes hashes of m-grams; an entry whose text differs (a collision)
-    gives no candidate."""
+    gives no candidate: two m-grams under one hash each find their own continuation."""
     import selfspec.decoding.corpus as corpus_mod
     from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES
 
@@ -251,9 +258,12 @@ def test_the_longest_match_picks_the_continuation_and_a_hash_collision_drafts_no
     real_hash = hash
     monkeypatch.setattr(corpus_mod, "hash", lambda key: 7 if key in {(2, 3), (8, 9)} else real_hash(key),
                         raising=False)  # (2, 3) and (8, 9) collide
-    collide.append(collide.open(), [2, 3, 5, 8, 9, 6])  # (8, 9)'s entry replaced (2, 3)'s
+    collide.append(collide.open(), [2, 3, 5, 8, 9, 6])  # both occurrences under one key
     assert collide.continuation((8, 9), 1) == [6]
-    assert collide.continuation((2, 3), 1) == []  # not (8, 9)'s continuation
+    assert collide.continuation((2, 3), 1) == [5]  # not (8, 9)'s continuation
+    only = SharedCorpus()
+    only.append(only.open(), [8, 9, 6])
+    assert only.continuation((2, 3), 1) == []  # (8, 9)'s entry is not (2, 3)'s
 
 
 def test_a_continuation_that_ends_early_is_chained_on_and_a_lone_token_still_drafts():
