@@ -10,6 +10,9 @@ with one of its plans also gets the predicted speed-up over AR and its error aga
 measured one (`selfspec.benchmarks.predictions`).
 
     python bench/abba_table.py bench/results/serve-greedy-m.json --predictions bench/results/tune-vm-isd-m.json
+
+Several reports pool: a label's rows in each are runs of it (two `bench serve --interleave`
+runs, whose rows each ran once, give means and a spread this way).
 """
 
 from __future__ import annotations
@@ -44,13 +47,25 @@ def abba_means(report: dict[str, Any]) -> dict[str, dict[int, dict[str, float | 
         values = [v for v in values if v is not None]
         return statistics.mean(values) if values else None
 
+    interleaved = bool(report.get("interleave"))
+
+    def spread(label: str, c: int, lvs: list[dict[str, Any]]) -> float | None:
+        """The runs' difference over their mean: this VM's noise on the cell (none for a row run
+        once). Runs of `bench serve --interleave`: of each run's ratio to the same run's AR (the
+        runs drift apart by more than the modes do within one)."""
+        if len(lvs) < 2:
+            return None
+        values = [lv["output_tok_s"] for lv in lvs]
+        ar_runs = cells.get("ar", {}).get(c, [])
+        if interleaved and label != "ar" and len(ar_runs) == len(lvs):
+            values = [v / a["output_tok_s"] for v, a in zip(values, ar_runs)]
+        return (max(values) - min(values)) / statistics.mean(values)
+
     return {label: {c: {"tok_s": mean([lv["output_tok_s"] for lv in lvs]),
                         "non_loop_tok_s": mean([(lv.get("non_loop") or {}).get("tokens_per_s") for lv in lvs]),
                         "tpf": mean([lv.get("tpf") for lv in lvs]),
                         "predicted_speedup": mean([lv.get("predicted_speedup") for lv in lvs]),
-                        # the two runs' difference over their mean: this VM's noise on the cell
-                        "spread": (max(lv["output_tok_s"] for lv in lvs) - min(lv["output_tok_s"] for lv in lvs))
-                        / mean([lv["output_tok_s"] for lv in lvs]),
+                        "spread": spread(label, c, lvs),
                         "runs": len(lvs)}
                     for c, lvs in sorted(by_c.items())}
             for label, by_c in cells.items()}
@@ -58,6 +73,10 @@ def abba_means(report: dict[str, Any]) -> dict[str, dict[int, dict[str, float | 
 
 def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a and b else "-"
+
+
+def _spread(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def table(report: dict[str, Any]) -> str:
@@ -70,7 +89,7 @@ def table(report: dict[str, Any]) -> str:
             a, n = ar.get(c, {}), ngram.get(c, {})
             speedup = m["predicted_speedup"]
             measured = m["tok_s"] / a["tok_s"] if a.get("tok_s") else None
-            out.append([label, str(c), str(m["runs"]), f"{m['tok_s']:.0f}", f"{m['spread']:.0%}",
+            out.append([label, str(c), str(m["runs"]), f"{m['tok_s']:.0f}", _spread(m["spread"]),
                         f"{m['tpf']:.2f}" if m["tpf"] else "-",
                         _ratio(m["tok_s"], a.get("tok_s")), _ratio(m["non_loop_tok_s"], a.get("non_loop_tok_s")),
                         _ratio(m["tok_s"], n.get("tok_s")), _ratio(m["non_loop_tok_s"], n.get("non_loop_tok_s")),
@@ -97,12 +116,12 @@ def markdown(report: dict[str, Any]) -> str:
             if m is None:
                 cells.append("-")
             elif label == "ar":
-                cells.append(f"{m['tok_s']:.0f} (±{m['spread']:.0%})")
+                cells.append(f"{m['tok_s']:.0f}" + (f" (±{m['spread']:.0%})" if m["spread"] is not None else ""))
             else:
                 vs_ngram = "" if label == "ngram" else f" [{_ratio(m['tok_s'], n.get('tok_s'))} / " \
                     f"{_ratio(m['non_loop_tok_s'], n.get('non_loop_tok_s'))}]"
                 cells.append(f"{_ratio(m['tok_s'], a.get('tok_s'))} ({_ratio(m['non_loop_tok_s'], a.get('non_loop_tok_s'))})"
-                             f"{vs_ngram} ±{m['spread']:.0%}")
+                             f"{vs_ngram}" + (f" ±{m['spread']:.0%}" if m["spread"] is not None else ""))
         tpf = " / ".join(f"{by_c[c]['tpf']:.2f}" if c in by_c and by_c[c]["tpf"] else "-" for c in levels)
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {tpf} |")
     return "\n".join(lines)
@@ -110,22 +129,28 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("report", help="a `selfspec bench serve --json` report")
+    p.add_argument("reports", nargs="+", metavar="REPORT",
+                   help="`selfspec bench serve --json` reports; rows of one label in several reports are runs of it")
     p.add_argument("--predictions", default=None, metavar="TUNE.json",
                    help="a `selfspec tune --json` report: attach its predictions first (as --predictions does)")
     p.add_argument("--markdown", action="store_true", help="the README's table form instead")
     args = p.parse_args()
-    for path in filter(None, (args.report, args.predictions)):
+    for path in filter(None, (*args.reports, args.predictions)):
         if not Path(path).is_file():
             p.error(f"{path}: no such file")
-    try:
-        report = json.loads(Path(args.report).read_text())
-    except json.JSONDecodeError as e:
-        p.error(f"{args.report}: not a JSON report ({e})")
+    reports = []
+    for path in args.reports:
+        try:
+            reports.append(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as e:
+            p.error(f"{path}: not a JSON report ({e})")
     if args.predictions:
         from selfspec.benchmarks import predictions
 
-        predictions.attach(report, predictions.load(args.predictions))
+        tune = predictions.load(args.predictions)
+        for report in reports:
+            predictions.attach(report, tune)
+    report = dict(reports[0], results=[row for r in reports for row in r["results"]])
     print(markdown(report) if args.markdown else table(report))
 
 

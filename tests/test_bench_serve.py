@@ -298,3 +298,35 @@ def test_interleaved_levels_run_the_same_chunks_through_every_server_in_turn(mon
 class _Spec:
     def __init__(self, model, port=None, extra_args=()):
         self.extra_args = list(extra_args)
+
+
+def _bench_script(name: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_abba_table_pools_interleaved_runs_and_spreads_their_ratios():
+    """Two interleaved runs: a label's rows are its runs (means), and the spread is of each run's
+    ratio to its own AR: the machine drifted 2x between the runs, the mode's lead did not move."""
+    abba = _bench_script("abba_table")
+
+    def run(ar: float, isd: float) -> dict:
+        def row(label, tok_s):
+            return {"mode": label, "label": label, "status": "ok",
+                    "levels": [{"concurrency": 1, "output_tok_s": tok_s, "tpf": 2.0, "non_loop": None}]}
+        return {"interleave": 2, "results": [row("ar", ar), row("isd", isd)]}
+
+    first, second = run(100.0, 150.0), run(200.0, 300.0)
+    pooled = abba.abba_means(dict(first, results=first["results"] + second["results"]))
+    assert pooled["isd"][1]["tok_s"] == 225.0 and pooled["isd"][1]["runs"] == 2
+    assert pooled["isd"][1]["spread"] == 0.0 and pooled["ar"][1]["spread"] == pytest.approx(2 / 3)
+    assert abba.abba_means(first)["isd"][1]["spread"] is None  # one run: no spread to show
+    assert "| 100 |" in abba.markdown(first)
