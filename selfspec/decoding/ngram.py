@@ -139,8 +139,8 @@ class SuffixIndex:
 
     def propose(self, history: list[int], k: int, shared: bool = True) -> list[int]:
         """k tokens continuing the latest earlier occurrence of history's suffix (`lagged_copy`),
-        else (when `shared`) those after its latest occurrence in another document of the
-        corpus, longest suffix first; a continuation that ends early is chained on from the
+        else (when `shared`) what most of its occurrences in the corpus's other documents go on
+        with (`SharedCorpus.continuation`), longest suffix first; a continuation that ends early is chained on from the
         suffix of history + candidate (`CHAIN_LOOKUPS`); [] when it never occurred. The
         sequence's text joins the corpus either way."""
         end = len(history) - 1  # the suffix ends at `end`; index m-grams ending before it
@@ -173,9 +173,9 @@ class SuffixIndex:
     def alternative(self, history: list[int], k: int, first: list[int], shared: bool = True) -> list[int]:
         """A second candidate of up to k tokens that differs from `first` (the `propose` of this
         step) within their common length: the continuation of the longest suffix at another
-        place — an earlier occurrence in the own history, else the latest or previous one in
-        the corpus; [] when every place continues like `first`. Call after `propose`, on an index
-        made with `keep_previous`."""
+        place — an earlier occurrence in the own history, else one of the corpus's kept
+        occurrences, latest first; [] when every place continues like `first`. Call after
+        `propose`, on an index made with `keep_previous`."""
         if self.prev_end is None:
             raise ValueError("SuffixIndex.alternative needs keep_previous=True")
         end = len(history) - 1
