@@ -8,7 +8,7 @@ import pytest
 from selfspec.decoding.width_plan import WidthPlan
 from selfspec.tuning.acceptance import Candidate
 from selfspec.tuning.choose import buckets, choose, servable
-from selfspec.tuning.cost import CostTable
+from selfspec.tuning.cost import CostTable, StepOverhead
 
 BATCHES = [1, 4, 16, 32]
 WIDTHS = [1, 4, 8, 16]
@@ -254,6 +254,23 @@ def test_step_overhead_prices_wide_steps_by_their_query_tokens():
     lin = StepOverhead.linear(1.5, 0.25)
     assert [lin.ms(b) for b in (1, 8, 64)] == pytest.approx([1.75, 3.5, 17.5]) and lin.ms(8, 16) == lin.ms(8)
     assert StepOverhead().ms(8, 16) == 0.0
+    # a lookup step is priced by its own measured excess, where there is one
+    look = StepOverhead(ar_ms={1: 2.0}, verify_ms={10: 5.0}, lookup_ms={10: 1.0})
+    assert look.ms(1, 10, lookup=True) == pytest.approx(3.0) and look.ms(1, 10) == pytest.approx(7.0)
+    assert ov.ms(1, 10, lookup=True) == ov.ms(1, 10)  # none measured: as any verify step
+
+
+def test_lookup_steps_are_chosen_by_their_own_price():
+    """RISD's own step carries its adapter; a lookup step of the same width does not. Priced by
+    the mode's verify excess the lookup loses; by its own, it wins."""
+    own = Candidate("risd", {"stride": 2, "context_tokens": 8}, 10, {"greedy": 4.2})
+    lookup = Candidate("ngram", {"num_draft": 8}, 9, {"greedy": 4.0})
+    costs = table(lambda b, w: 5.0 + 0.1 * b * w)
+    same = StepOverhead(ar_ms={1: 2.0, 32: 2.0}, verify_ms={9: 5.0, 300: 20.0})
+    own_price = StepOverhead(ar_ms=same.ar_ms, verify_ms=same.verify_ms, lookup_ms={9: 1.0, 300: 10.0})
+    cands = [CANDIDATES[0], own, lookup]
+    assert choose(costs, cands, "greedy", 1, same, margin=0.0)[0].best.mode == "risd"
+    assert choose(costs, cands, "greedy", 1, own_price, margin=0.0)[0].best.mode == "ngram"
 
 
 def test_calibration_plan_alternates_ar_and_the_candidate_by_batch():
@@ -294,6 +311,11 @@ def test_fit_overhead_recovers_the_served_step_cost():
     # a step measured faster than its forward is priced at the forward, never below
     assert fit_overhead(costs, {1: 0.5}, {}, 1).ms(1) == 0.0
     assert middle_width(CANDIDATES, "greedy").width == 7
+    # a lookup step's excess, keyed by its query tokens like the verify candidate's
+    look = {2: costs.time_ms(2, 9) + truth.ms(2) + 0.5, 9: costs.time_ms(9, 9) + truth.ms(9) + 2.0}
+    ov = fit_overhead(costs, ar, verify, width, look, 9)
+    assert ov.lookup_ms == pytest.approx({18: 0.5, 81: 2.0}) and ov.measured["lookup@9"] == look
+    assert ov.verify_ms == pytest.approx({b * width: x for b, x in verify_extra.items()})
     assert middle_width([CANDIDATES[0], Candidate("jacobi", {}, 8, {"greedy": 2.0, "sampled": float("nan")})],
                         "sampled") is None
 
@@ -308,13 +330,19 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
 
     monkeypatch.setattr(calibrate, "LONG", 64)  # fewer tokens: the test times, it does not tune
     costs = table(lambda b, w: 1.0)
+    lookups = [Candidate("ngram", {"num_draft": k, "corpus": True}, k + 1, {"greedy": 2.0, "sampled": 1.5})
+               for k in (4, 8, 12)]
     cands = [Candidate("ar", {}, 1, {"greedy": 1.0, "sampled": 1.0}),
-             Candidate("jacobi", {"block_size": 4, "context_tokens": 0}, 5, {"greedy": 1.5, "sampled": float("nan")})]
+             Candidate("jacobi", {"block_size": 4, "context_tokens": 0}, 5, {"greedy": 1.5, "sampled": float("nan")}),
+             *lookups]
+    assert calibrate.lookup_candidate(cands, "greedy") is lookups[1]
     out = calibrate.server_overhead(str(tiny_base_path), "jacobi", costs, cands, list(range(100, 140)), [1, 2],
                                     temperature=0.7, log_dir=str(tmp_path))
     greedy, sampled = out["greedy"], out["sampled"]
-    assert set(greedy.measured) == {"ar", "verify@5"}
+    assert set(greedy.measured) == {"ar", "verify@5", "lookup@9"}
     assert set(greedy.measured["ar"]) == {1, 2} and set(greedy.measured["verify@5"]) == {1}
+    # the lookup step, timed at batch 2 on the AR-at-batch-1 server, prices lookups alone
+    assert set(greedy.measured["lookup@9"]) == {2} and set(greedy.lookup_ms) == {18}
     # batch 1's AR step is measured, not extrapolated from batch 2
     assert greedy.ms(1) == pytest.approx(max(greedy.measured["ar"][1] - costs.time_ms(1, 1), 0.0))
     assert all(ms > 1.0 for steps in greedy.measured.values() for ms in steps.values())
@@ -327,3 +355,4 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     assert "online: false" in plan and "block_size: 4" in plan
     ar_plan = (tmp_path / "calibration-ar.yaml").read_text()
     assert "online: false" in ar_plan and "jacobi" not in ar_plan.split("plan:")[1]
+    assert "ngram" in ar_plan.split("sampled:")[0] and "ngram" not in ar_plan.split("sampled:")[1]

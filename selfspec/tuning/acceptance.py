@@ -62,10 +62,15 @@ class Candidate:
     query_tokens_per_step: dict[str, float] = field(default_factory=dict)
 
     @property
+    def is_lookup(self) -> bool:
+        """A lookup step: the context candidate alone (`LOOKUP_GRID`)."""
+        return self.mode == "ngram"
+
+    @property
     def label(self) -> str:
         if self.mode == "ar":
             return "ar"
-        if self.mode == "ngram":  # the grid varies the draft length and the branches only
+        if self.is_lookup:  # the grid varies the draft length and the branches only
             branches = self.options.get("branches", 1)
             return f"lookup={self.options['num_draft']}" + (f"x{branches}" if branches > 1 else "")
         return ",".join(f"{k}={v}" for k, v in self.options.items()) or "defaults"

@@ -12,10 +12,13 @@ batch, free of prefill and HTTP set-up. What the step costs beyond the grid's fo
 as `cost.StepOverhead` prices it: the AR step's excess by batch, and the verify step's excess
 over that by its query tokens, batch · width.
 
-The AR step at batch 1 is timed on a second server of the mode whose plan is AR steps alone (one
-plan maps a batch size to one bucket, and the first plan's batch 1 is the verify candidate's):
-extrapolated from batch 2, it was priced 9.9 ms where the served step took 8.1, which made every
-predicted speed-up at C=1 too high (README "Predicted speed-ups and the narrower of near-ties").
+The AR step at batch 1 is timed on a second server of the mode whose plan is AR steps at batch
+1 (one plan maps a batch size to one bucket, and the first plan's batch 1 is the verify
+candidate's): extrapolated from batch 2, it was priced 9.9 ms where the served step took 8.1,
+which made every predicted speed-up at C=1 too high (README "Predicted speed-ups and the narrower
+of near-ties"). Beyond batch 1 that server runs a lookup step (`lookup_candidate`), timed at
+batch 2 and at the verify batches above it: a lookup step is priced by its own excess
+(`cost.StepOverhead.lookup_ms`), not by the mode's own step's (RISD's carries its adapter).
 """
 
 from __future__ import annotations
@@ -50,10 +53,21 @@ def calibration_batches(batch_sizes: list[int]) -> tuple[list[int], list[int]]:
     return ar, verify
 
 
-def ar_only_plan() -> dict:
-    """The second calibration server's plan: AR steps at every batch, greedy and sampled."""
-    return {"greedy": [{"max_batch": None, "mode": "ar"}], "sampled": [{"max_batch": None, "mode": "ar"}],
-            "online": False}
+def lookup_batches(verify_batches: list[int]) -> list[int]:
+    """Where the AR-at-batch-1 server times its lookup step: 2, then the verify batches above it."""
+    return [2] + [v for v in verify_batches if v > 2]
+
+
+def ar_only_plan(lookup: dict[str, Candidate | None] | None = None) -> dict:
+    """The second calibration server's plan: AR steps at batch 1, and beyond it the kind's lookup
+    candidate (AR steps where it has none)."""
+    def kind(cand: Candidate | None) -> list[dict]:
+        if cand is None:
+            return [{"max_batch": None, "mode": "ar"}]
+        return [{"max_batch": 1, "mode": "ar"}, {"max_batch": None, "mode": cand.mode, **cand.options}]
+
+    lookup = lookup or {}
+    return {"greedy": kind(lookup.get("greedy")), "sampled": kind(lookup.get("sampled")), "online": False}
 
 
 def calibration_plan(ar_batches: list[int], verify_batches: list[int], greedy: Candidate | None,
@@ -102,17 +116,23 @@ def step_ms(base_url: str, prompt: list[int], batch: int, temperature: float) ->
 
 
 def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dict[int, float],
-                 width: int) -> StepOverhead:
+                 width: int, lookup_steps: dict[int, float] | None = None, lookup_width: int = 1) -> StepOverhead:
     """`ar_steps`: batch -> measured AR step ms; `verify_steps`: batch -> measured step ms of a
-    `width`-token verify candidate. Excesses are clamped at 0 (a step never costs less than
-    its forward)."""
+    `width`-token verify candidate; `lookup_steps` the same of a `lookup_width`-token lookup
+    step. Excesses are clamped at 0 (a step never costs less than its forward)."""
     ar = {b: max(ms - costs.time_ms(b, 1), 0.0) for b, ms in sorted(ar_steps.items())}
     ov = StepOverhead(ar_ms=ar)
-    verify = {b * width: max(ms - costs.time_ms(b, width) - ov.ms(b), 0.0) for b, ms in sorted(verify_steps.items())}
+
+    def excess(steps: dict[int, float], w: int) -> dict[int, float]:
+        return {b * w: max(ms - costs.time_ms(b, w) - ov.ms(b), 0.0) for b, ms in sorted(steps.items())}
+
     measured = {"ar": dict(ar_steps)}
     if verify_steps:
         measured[f"verify@{width}"] = dict(verify_steps)
-    return StepOverhead(ar_ms=ar, verify_ms=verify, measured=measured)
+    if lookup_steps:
+        measured[f"lookup@{lookup_width}"] = dict(lookup_steps)
+    return StepOverhead(ar_ms=ar, verify_ms=excess(verify_steps, width),
+                        lookup_ms=excess(lookup_steps or {}, lookup_width), measured=measured)
 
 
 def middle_width(cands: list[Candidate], kind: str) -> Candidate | None:
@@ -121,6 +141,14 @@ def middle_width(cands: list[Candidate], kind: str) -> Candidate | None:
     usable = sorted((c for c in cands if c.mode not in PLAN_STEP_MODES
                      and math.isfinite(c.tokens_per_step.get(kind, math.nan))),
                     key=lambda c: c.width)
+    return usable[len(usable) // 2] if usable else None
+
+
+def lookup_candidate(cands: list[Candidate], kind: str) -> Candidate | None:
+    """The lookup step the calibration times: the median width of the one-candidate lookups
+    that serve `kind`."""
+    usable = sorted((c for c in cands if c.is_lookup and c.options.get("branches", 1) == 1
+                     and math.isfinite(c.tokens_per_step.get(kind, math.nan))), key=lambda c: c.width)
     return usable[len(usable) // 2] if usable else None
 
 
@@ -135,6 +163,9 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
 
     ar_batches, verify_batches = calibration_batches(batch_sizes)
     chosen = {"greedy": middle_width(cands, "greedy"), "sampled": middle_width(cands, "sampled")}
+    # a greedy-only mode's server refuses sampled requests: its sampled batches are AR steps
+    served_kinds = {"greedy"} | ({"sampled"} if chosen["sampled"] is not None else set())
+    lookups = {kind: lookup_candidate(cands, kind) if kind in served_kinds else None for kind in ("greedy", "sampled")}
     work = Path(log_dir or tempfile.mkdtemp(prefix="selfspec-tune-"))
     work.mkdir(parents=True, exist_ok=True)
     kinds = (("greedy", 0.0), ("sampled", temperature))
@@ -148,12 +179,17 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
                              startup_timeout=900)
 
     ar_one: dict[str, float] = {}  # kind -> AR step ms at batch 1
+    lookup_steps: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}  # kind -> batch -> step ms
+    first_batches = lookup_batches(verify_batches) if any(lookups.values()) else [1]
     with server_threads(threads):
-        with serve("calibration-ar", ar_only_plan(), 1) as server:
+        with serve("calibration-ar", ar_only_plan(lookups), max(first_batches)) as server:
             _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
             for kind, temp in kinds:
-                if kind == "greedy" or chosen[kind] is not None:  # a greedy-only mode's sampled rows: greedy's
+                if kind in served_kinds:  # a greedy-only mode's sampled rows: greedy's
                     ar_one[kind] = step_ms(server.base_url, prompt, 1, temp)
+                    if lookups[kind] is not None:
+                        lookup_steps[kind] = {b: step_ms(server.base_url, prompt, b, temp)
+                                              for b in lookup_batches(verify_batches)}
                 if progress is not None:
                     progress.update(1)
         out: dict[str, StepOverhead] = {}
@@ -171,7 +207,9 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
                 verify = {v: step_ms(server.base_url, prompt, v, temp) for v in verify_batches} if cand else {}
                 if progress is not None:
                     progress.update(len(ar_batches))
-                out[kind] = fit_overhead(costs, ar, verify, cand.width if cand is not None else 1)
+                look = lookups[kind]
+                out[kind] = fit_overhead(costs, ar, verify, cand.width if cand is not None else 1,
+                                         lookup_steps[kind], look.width if look is not None else 1)
     return out
 
 

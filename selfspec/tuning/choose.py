@@ -39,7 +39,7 @@ def throughput(costs: CostTable, cand: Candidate, kind: str, batch: int,
     tps = cand.tokens_per_step.get(kind, float("nan"))
     if not math.isfinite(tps):
         return float("nan")
-    extra = overhead.ms(batch, cand.width) if overhead is not None else 0.0
+    extra = overhead.ms(batch, cand.width, lookup=cand.is_lookup) if overhead is not None else 0.0
     return 1e3 * batch * tps / (costs.time_ms(batch, cand.width) + extra)
 
 

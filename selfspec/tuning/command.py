@@ -212,6 +212,8 @@ def _overhead_text(kind: str, ov) -> list[str]:
 
     lines = [f"{kind} step cost beyond the forward: every step {pts(ov.ar_ms, 'batch')}",
              f"  a verify step also {pts(ov.verify_ms, 'query tokens')}"]
+    if ov.lookup_ms:
+        lines.append(f"  a lookup step also {pts(ov.lookup_ms, 'query tokens')}")
     lines += [f"  served {what} step: {pts(steps, 'batch')}" for what, steps in ov.measured.items()]
     return lines
 

@@ -57,26 +57,35 @@ class StepOverhead:
     - `ar_ms` (batch -> ms), paid by every step: scheduling, request bookkeeping, sampling;
     - `verify_ms` (query tokens batch·width -> ms), paid on top by a step wider than one token:
       SGLang's extend path, the step mask, the verify rules over every query row. It grows with
-      the rows, which is why a calibration at width 1 alone predicted wide steps too cheap.
+      the rows, which is why a calibration at width 1 alone predicted wide steps too cheap;
+    - `lookup_ms`, the same for a lookup step (a plan's `mode: ngram` bucket), where measured:
+      a chain with no MASK rows, no adapter and no proposals to build, it cost 5 ms less than
+      RISD's own step at batch 1 and 13 query tokens, and priced as one it lost the plans
+      their lookup steps (README "Lookup steps priced as lookup steps").
     """
 
     ar_ms: dict[int, float] = field(default_factory=dict)
     verify_ms: dict[int, float] = field(default_factory=dict)
-    measured: dict[str, dict[int, float]] = field(default_factory=dict)  # "ar" / "verify@W" -> batch -> step ms
+    lookup_ms: dict[int, float] = field(default_factory=dict)
+    # "ar" / "verify@W" / "lookup@W" -> batch -> step ms
+    measured: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @staticmethod
     def linear(base_ms: float, per_request_ms: float = 0.0) -> StepOverhead:
         """base + per_request × batch on every step, nothing extra for verify steps."""
         return StepOverhead({1: base_ms + per_request_ms, 2: base_ms + 2 * per_request_ms})
 
-    def ms(self, batch: int, width: int = 1) -> float:
+    def ms(self, batch: int, width: int = 1, lookup: bool = False) -> float:
+        """A step of `batch` requests, `width` query tokens each; `lookup`: a lookup step (priced
+        by `lookup_ms` where it was measured, else as any verify step)."""
         out = _curve(self.ar_ms, batch)
         if width > 1:
-            out += _curve(self.verify_ms, batch * width)
+            out += _curve(self.lookup_ms if lookup and self.lookup_ms else self.verify_ms, batch * width)
         return out
 
     def to_dict(self) -> dict:
-        return {"ar_ms": self.ar_ms, "verify_ms": self.verify_ms, "measured_step_ms": self.measured}
+        return {"ar_ms": self.ar_ms, "verify_ms": self.verify_ms, "lookup_ms": self.lookup_ms,
+                "measured_step_ms": self.measured}
 
 
 def _curve(points: dict[int, float], x: float) -> float:
