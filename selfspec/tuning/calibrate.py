@@ -16,9 +16,10 @@ The AR step at batch 1 is timed on a second server of the mode whose plan is AR 
 1 (one plan maps a batch size to one bucket, and the first plan's batch 1 is the verify
 candidate's): extrapolated from batch 2, it was priced 9.9 ms where the served step took 8.1,
 which made every predicted speed-up at C=1 too high (README "Predicted speed-ups and the narrower
-of near-ties"). Beyond batch 1 that server runs a lookup step (`lookup_candidate`), timed at
-batch 2 and at the verify batches above it: a lookup step is priced by its own excess
-(`cost.StepOverhead.lookup_ms`), not by the mode's own step's (RISD's carries its adapter).
+of near-ties"). A third server runs a lookup step (`lookup_candidate`) at every batch, timed
+at the verify batches: a lookup step is priced by its own excess (`cost.StepOverhead.lookup_ms`),
+not by the mode's own step's (RISD's carries its adapter). Timed at batch 2 and above and
+extrapolated down, its batch-1 excess came out ~0 ms where served it was ~2.5 ms.
 """
 
 from __future__ import annotations
@@ -53,20 +54,18 @@ def calibration_batches(batch_sizes: list[int]) -> tuple[list[int], list[int]]:
     return ar, verify
 
 
-def lookup_batches(verify_batches: list[int]) -> list[int]:
-    """Where the AR-at-batch-1 server times its lookup step: 2, then the verify batches above it."""
-    return [2] + [v for v in verify_batches if v > 2]
+def ar_only_plan() -> dict:
+    """The second calibration server's plan: AR steps at every batch, greedy and sampled."""
+    return {"greedy": [{"max_batch": None, "mode": "ar"}], "sampled": [{"max_batch": None, "mode": "ar"}],
+            "online": False}
 
 
-def ar_only_plan(lookup: dict[str, Candidate | None] | None = None) -> dict:
-    """The second calibration server's plan: AR steps at batch 1, and beyond it the kind's lookup
-    candidate (AR steps where it has none)."""
+def lookup_plan(lookup: dict[str, Candidate | None]) -> dict:
+    """The third calibration server's plan: the kind's lookup step at every batch (AR steps for a
+    kind without one)."""
     def kind(cand: Candidate | None) -> list[dict]:
-        if cand is None:
-            return [{"max_batch": None, "mode": "ar"}]
-        return [{"max_batch": 1, "mode": "ar"}, {"max_batch": None, "mode": cand.mode, **cand.options}]
+        return [{"max_batch": None, **({"mode": "ar"} if cand is None else {"mode": cand.mode, **cand.options})}]
 
-    lookup = lookup or {}
     return {"greedy": kind(lookup.get("greedy")), "sampled": kind(lookup.get("sampled")), "online": False}
 
 
@@ -180,18 +179,20 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
 
     ar_one: dict[str, float] = {}  # kind -> AR step ms at batch 1
     lookup_steps: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}  # kind -> batch -> step ms
-    first_batches = lookup_batches(verify_batches) if any(lookups.values()) else [1]
     with server_threads(threads):
-        with serve("calibration-ar", ar_only_plan(lookups), max(first_batches)) as server:
+        with serve("calibration-ar", ar_only_plan(), 1) as server:
             _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
             for kind, temp in kinds:
                 if kind in served_kinds:  # a greedy-only mode's sampled rows: greedy's
                     ar_one[kind] = step_ms(server.base_url, prompt, 1, temp)
-                    if lookups[kind] is not None:
-                        lookup_steps[kind] = {b: step_ms(server.base_url, prompt, b, temp)
-                                              for b in lookup_batches(verify_batches)}
                 if progress is not None:
                     progress.update(1)
+        if any(lookups.values()):
+            with serve("calibration-lookup", lookup_plan(lookups), max(verify_batches)) as server:
+                _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
+                for kind, temp in kinds:
+                    if lookups[kind] is not None:
+                        lookup_steps[kind] = {b: step_ms(server.base_url, prompt, b, temp) for b in verify_batches}
         out: dict[str, StepOverhead] = {}
         plan = calibration_plan(ar_batches, verify_batches, chosen["greedy"], chosen["sampled"])
         with serve("calibration", plan, max(ar_batches + verify_batches)) as server:

@@ -51,7 +51,7 @@ class CostTable:
 @dataclass
 class StepOverhead:
     """What a served step costs beyond the grid's forward, measured on a server of the mode
-    (`calibrate.py`) or given by hand. Two parts, each piecewise-linear through measured points
+    (`calibrate.py`) or given by hand. Three parts, each piecewise-linear through measured points
     and extended along the end segments:
 
     - `ar_ms` (batch -> ms), paid by every step: scheduling, request bookkeeping, sampling;
