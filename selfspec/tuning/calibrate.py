@@ -12,8 +12,8 @@ batch, free of prefill and HTTP set-up. What the step costs beyond the grid's fo
 as `cost.StepOverhead` prices it: the AR step's excess by batch, and the verify step's excess
 over that by its query tokens, batch · width.
 
-The AR step at batch 1 is timed on a second server of the mode whose plan is AR steps at batch
-1 (one plan maps a batch size to one bucket, and the first plan's batch 1 is the verify
+The AR step at batch 1 is timed on a second server of the mode whose plan is AR steps alone
+(one plan maps a batch size to one bucket, and the first plan's batch 1 is the verify
 candidate's): extrapolated from batch 2, it was priced 9.9 ms where the served step took 8.1,
 which made every predicted speed-up at C=1 too high (README "Predicted speed-ups and the narrower
 of near-ties"). A third server runs a lookup step (`lookup_candidate`) at every batch, timed
@@ -56,8 +56,7 @@ def calibration_batches(batch_sizes: list[int]) -> tuple[list[int], list[int]]:
 
 def ar_only_plan() -> dict:
     """The second calibration server's plan: AR steps at every batch, greedy and sampled."""
-    return {"greedy": [{"max_batch": None, "mode": "ar"}], "sampled": [{"max_batch": None, "mode": "ar"}],
-            "online": False}
+    return lookup_plan({})
 
 
 def lookup_plan(lookup: dict[str, Candidate | None]) -> dict:
@@ -134,21 +133,22 @@ def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dic
                         lookup_ms=excess(lookup_steps or {}, lookup_width), measured=measured)
 
 
+def _median_width(cands: list[Candidate], kind: str, wanted) -> Candidate | None:
+    usable = sorted((c for c in cands if wanted(c) and math.isfinite(c.tokens_per_step.get(kind, math.nan))),
+                    key=lambda c: c.width)
+    return usable[len(usable) // 2] if usable else None
+
+
 def middle_width(cands: list[Candidate], kind: str) -> Candidate | None:
     """The calibration's verify candidate: the median width of the mode's own candidates that
     serve `kind` (its steps' cost beyond the forward, not a lookup step's)."""
-    usable = sorted((c for c in cands if c.mode not in PLAN_STEP_MODES
-                     and math.isfinite(c.tokens_per_step.get(kind, math.nan))),
-                    key=lambda c: c.width)
-    return usable[len(usable) // 2] if usable else None
+    return _median_width(cands, kind, lambda c: c.mode not in PLAN_STEP_MODES)
 
 
 def lookup_candidate(cands: list[Candidate], kind: str) -> Candidate | None:
     """The lookup step the calibration times: the median width of the one-candidate lookups
     that serve `kind`."""
-    usable = sorted((c for c in cands if c.is_lookup and c.options.get("branches", 1) == 1
-                     and math.isfinite(c.tokens_per_step.get(kind, math.nan))), key=lambda c: c.width)
-    return usable[len(usable) // 2] if usable else None
+    return _median_width(cands, kind, lambda c: c.is_lookup and c.options.get("branches", 1) == 1)
 
 
 def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candidate], prompt: list[int],
