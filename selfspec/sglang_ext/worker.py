@@ -377,8 +377,9 @@ class SelfSpecWorker(BaseSpecWorker):
         t3 = time.perf_counter()
         if _DEBUG_TIMING:  # between: the scheduler's time since the last step returned
             between = (t0 - self._last_end) * 1e3 if self._last_end else float("nan")
-            logger.info("[selfspec] step bs=%d plan %.2f ms forward %.2f ms finish %.2f ms between %.2f ms", bs,
-                        (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, between)
+            logger.info("[selfspec] step bs=%d width %d tokens %d plan %.2f ms forward %.2f ms finish %.2f ms "
+                        "between %.2f ms", bs, W, sum(real_widths), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
+                        between)
         self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0, W)
         self._last_step = (t0, outcomes)
         self.collect_finished()
