@@ -15,7 +15,7 @@ keep; this file only maps that onto SGLang:
   and the step indices whose KV joins the prefix (`keep`); kept KV is moved to the front of the
   window (a no-op for causal chains), so `[seq_len, seq_len + len(emit))` is the new committed
   run and everything past it (MASK, rejected, losing branches, padding) is overwritten next
-  step or freed with the request. With `SELFSPEC_RAGGED_VERIFY=1` the CPU forward is ragged:
+  step or freed with the request. The CPU forward is ragged (unless `SELFSPEC_RAGGED_VERIFY=0`):
   only each request's real tokens go through the model (`RaggedVerify`); the padding to W
   exists in the attention's query block alone.
 

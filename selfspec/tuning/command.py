@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.decoding.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
     from selfspec.engines.kernel_choice import ragged_verify_enabled
+    from selfspec.serving import cuda_available
     from selfspec.tuning import acceptance, cost
     from selfspec.tuning.choose import buckets, choose, servable, throughput
 
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         for m in modes:
             # layouts as the served worker builds them (unpadded where its forwards are ragged)
             acceptance.measure(engine, cands[m], prompts, args.max_new_tokens, samplings, seed=args.seed, progress=bar,
-                               corpus=corpus, ragged=ragged_verify_enabled())
+                               corpus=corpus, ragged=ragged_verify_enabled() and not cuda_available())
         for m in modes:
             if overhead is not None:
                 overheads[m] = {kind: overhead for kind in samplings}
