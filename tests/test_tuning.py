@@ -89,7 +89,7 @@ def test_every_modes_plan_may_run_lookup_steps_where_its_own_are_too_wide():
 
     for mode in ("isd", "risd", "sjd", "jacobi"):
         assert {c.label for c in candidates_for(mode) if c.mode == "ngram"} == {
-            "lookup=4", "lookup=8", "lookup=12", "lookup=16", "lookup=8x2", "lookup=12x2"}
+            "lookup=4", "lookup=8", "lookup=12", "lookup=16", "lookup=8x2", "lookup=12x2", "lookup=12c", "lookup=16c"}
     lookup = next(c for c in candidates_for("jacobi") if c.label == "lookup=4")
     cands = [CANDIDATES[0], Candidate("jacobi", {"block_size": 4, "context_tokens": 8}, 12, {"greedy": 3.2}),
              Candidate(lookup.mode, lookup.options, 5, {"greedy": 1.8})]
@@ -271,6 +271,24 @@ def test_lookup_steps_are_chosen_by_their_own_price():
     cands = [CANDIDATES[0], own, lookup]
     assert choose(costs, cands, "greedy", 1, same, margin=0.0)[0].best.mode == "risd"
     assert choose(costs, cands, "greedy", 1, own_price, margin=0.0)[0].best.mode == "ngram"
+
+
+def test_a_ragged_forward_prices_the_real_query_tokens():
+    """Where the served forward carries each request's real tokens only, a candidate whose weak
+    matches draft short (`caps`) is priced by what it sends: at a batch where every query token
+    costs, it beats the full-length lookup that commits a little more; priced by the padded
+    width (a GPU's fixed-width forward) the two cost the same and the longer one wins."""
+    costs = table(lambda b, w: 10.0 + 0.2 * b * w)
+
+    def lookups(ragged: bool) -> list[Candidate]:
+        full = Candidate("ngram", {"num_draft": 12}, 13, {"greedy": 5.5}, {"greedy": 12.5}, ragged)
+        capped = Candidate("ngram", {"num_draft": 12, "caps": True}, 13, {"greedy": 5.3}, {"greedy": 8.5}, ragged)
+        return [CANDIDATES[0], full, capped]
+
+    assert lookups(True)[2].priced_width("greedy") == 8.5 and lookups(False)[2].priced_width("greedy") == 13.0
+    assert lookups(True)[2].label == "lookup=12c"
+    assert {c.best.label for c in choose(costs, lookups(True), "greedy", 16, tolerance=0.0)} == {"lookup=12c"}
+    assert {c.best.label for c in choose(costs, lookups(False), "greedy", 16, tolerance=0.0)} == {"lookup=12"}
 
 
 def test_calibration_plan_alternates_ar_and_the_candidate_by_batch():

@@ -45,9 +45,13 @@ GRIDS["risd"] = GRIDS["isd"]
 #: candidate (branches 2) commits ~10% more per step for ~50% more query tokens on tiny-idlm
 #: (README "Lookup steps in every mode's plan"): a longer single candidate does better where
 #: query tokens cost (a CPU), the second branch where they are nearly free.
+#: With `caps`, weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`): fewer query tokens
+#: for nearly the same tokens a step, which pays where the forward is ragged (CPU).
 LOOKUP_GRID: list[dict[str, Any]] = [
-    {"num_draft": k, "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True, **({"branches": b} if b > 1 else {})}
-    for k, b in ((4, 1), (8, 1), (12, 1), (16, 1), (8, 2), (12, 2))]
+    {"num_draft": k, "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True, **({"branches": b} if b > 1 else {}),
+     **({"caps": True} if caps else {})}
+    for k, b, caps in ((4, 1, False), (8, 1, False), (12, 1, False), (16, 1, False), (8, 2, False), (12, 2, False),
+                       (12, 1, True), (16, 1, True))]
 
 
 @dataclass
@@ -56,10 +60,17 @@ class Candidate:
     options: dict[str, Any] = field(default_factory=dict)
     width: int = 1  # query tokens per request of its steps (padded)
     tokens_per_step: dict[str, float] = field(default_factory=dict)  # "greedy" / "sampled" -> committed per step
-    # "greedy" / "sampled" -> query tokens per step of its layouts (with `measure(ragged=True)`
-    # unpadded: what a ragged CPU forward carries). Reported, not priced: a
-    # plan priced by them predicted served ISD 20-84% too fast (README "Ragged verify forwards")
+    # "greedy" / "sampled" -> query tokens per request and step of its layouts (with
+    # `measure(ragged=True)` unpadded: what a ragged CPU forward carries)
     query_tokens_per_step: dict[str, float] = field(default_factory=dict)
+    ragged: bool = False  # its served forwards carry the real query tokens only: priced by them
+
+    def priced_width(self, kind: str) -> float:
+        """The query tokens per request a step of it is priced by: the real ones where the
+        served forward is ragged, else the padded width."""
+        if self.ragged and kind in self.query_tokens_per_step:
+            return max(1.0, self.query_tokens_per_step[kind])
+        return float(self.width)
 
     @property
     def is_lookup(self) -> bool:
@@ -72,11 +83,12 @@ class Candidate:
             return "ar"
         if self.is_lookup:  # the grid varies the draft length and the branches only
             branches = self.options.get("branches", 1)
-            return f"lookup={self.options['num_draft']}" + (f"x{branches}" if branches > 1 else "")
+            return (f"lookup={self.options['num_draft']}" + (f"x{branches}" if branches > 1 else "")
+                    + ("c" if self.options.get("caps") else ""))
         return ",".join(f"{k}={v}" for k, v in self.options.items()) or "defaults"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "options": self.options, "width": self.width,
+        return {"mode": self.mode, "options": self.options, "width": self.width, "ragged": self.ragged,
                 "tokens_per_step": self.tokens_per_step, "query_tokens_per_step": self.query_tokens_per_step}
 
 
@@ -108,6 +120,7 @@ def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_n
         options = ((cand.options or None) if cand.mode in PLAN_STEP_MODES
                    else {**(base_options or {}), **cand.options})
         cand.width = int(engine.build_mode(cand.mode, options).max_width)
+        cand.ragged = ragged
         if ragged and options is not None:
             options = unpadded(cand.mode, options)
         for kind, sampling in samplings.items():

@@ -1,7 +1,8 @@
 """The plan: per batch size, the candidate with the most expected output tokens per second.
 
 A step of batch b where every request runs candidate c costs T(b, width_c) + overhead(b, width_c)
-(the forward, then what a server step costs besides, `cost.StepOverhead`) and commits
+(the forward, then what a server step costs besides, `cost.StepOverhead`; width_c the query
+tokens a request's step carries: the real ones where the forward is ragged) and commits
 b · tokens_per_step_c tokens, so its throughput is b · tokens_per_step_c / (T + overhead).
 Every batch size from 1 to `max_batch` gets its best candidate; runs of equal choices become
 one bucket, the last one open. Among candidates predicted within `tolerance` of the best, the
@@ -39,8 +40,9 @@ def throughput(costs: CostTable, cand: Candidate, kind: str, batch: int,
     tps = cand.tokens_per_step.get(kind, float("nan"))
     if not math.isfinite(tps):
         return float("nan")
-    extra = overhead.ms(batch, cand.width, lookup=cand.is_lookup) if overhead is not None else 0.0
-    return 1e3 * batch * tps / (costs.time_ms(batch, cand.width) + extra)
+    width = cand.priced_width(kind)
+    extra = overhead.ms(batch, width, lookup=cand.is_lookup) if overhead is not None else 0.0
+    return 1e3 * batch * tps / (costs.time_ms(batch, width) + extra)
 
 
 def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: int,
@@ -60,7 +62,7 @@ def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: 
 
         top = max(ranked(c) for c in usable)
         near = [c for c in usable if ranked(c) >= (1.0 - tolerance) * top]
-        out.append(Choice(b, min(near, key=lambda c: (c.width, -ranked(c))), scores))
+        out.append(Choice(b, min(near, key=lambda c: (c.priced_width(kind), -ranked(c))), scores))
     return out
 
 

@@ -230,7 +230,8 @@ def _cost_text(table) -> str:
 
 
 def _choice_text(mode, kind, cands, choices, batch_sizes) -> list[str]:
-    lines = [f"{mode} {kind}: tokens per step (width) and predicted tok/s by batch size"]
+    lines = [f"{mode} {kind}: tokens per step, query tokens priced per request (width: the real ones where "
+             f"the forward is ragged) and predicted tok/s by batch size"]
     lines.append(f"  {'candidate':36s} {'tok/step':>8} {'width':>5} " + "".join(f"{'b=' + str(b):>9}" for b in batch_sizes))
     by_batch = {c.batch: c for c in choices}
     for cand in cands:
@@ -240,7 +241,7 @@ def _choice_text(mode, kind, cands, choices, batch_sizes) -> list[str]:
             v = by_batch[b].tokens_per_s.get(cand.label, float("nan"))  # "-": not a choice for this kind
             mark = "*" if by_batch[b].best is cand else " "
             cells += f"{v:8.0f}{mark}" if math.isfinite(v) else f"{'-':>8} "
-        lines.append(f"  {cand.label:36s} {tps:8.2f} {cand.width:5d} {cells}")
+        lines.append(f"  {cand.label:36s} {tps:8.2f} {cand.priced_width(kind):5.1f} {cells}")
     return lines
 
 
