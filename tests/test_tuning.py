@@ -354,6 +354,8 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
              Candidate("jacobi", {"block_size": 4, "context_tokens": 0}, 5, {"greedy": 1.5, "sampled": float("nan")}),
              *lookups]
     assert calibrate.lookup_candidate(cands, "greedy") is lookups[1]
+    capped = [Candidate("ngram", {"num_draft": k, "caps": True}, k + 1, {"greedy": 2.0}) for k in (12, 16)]
+    assert calibrate.lookup_candidate(cands + capped, "greedy") is lookups[1]  # capped steps are not timed
     out = calibrate.server_overhead(str(tiny_base_path), "jacobi", costs, cands, list(range(100, 140)), [1, 2],
                                     temperature=0.7, log_dir=str(tmp_path))
     greedy, sampled = out["greedy"], out["sampled"]

@@ -147,8 +147,10 @@ def middle_width(cands: list[Candidate], kind: str) -> Candidate | None:
 
 def lookup_candidate(cands: list[Candidate], kind: str) -> Candidate | None:
     """The lookup step the calibration times: the median width of the one-candidate lookups
-    that serve `kind`."""
-    return _median_width(cands, kind, lambda c: c.is_lookup and c.options.get("branches", 1) == 1)
+    that serve `kind`, uncapped (its excess is fitted at its padded width: every request drafts
+    it in full)."""
+    return _median_width(cands, kind, lambda c: c.is_lookup and c.options.get("branches", 1) == 1
+                         and not c.options.get("caps"))
 
 
 def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candidate], prompt: list[int],
