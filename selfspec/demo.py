@@ -144,7 +144,26 @@ def run_demo(model: str, config: Path, max_tokens: int, extra: list[str]) -> boo
     print(f"{'tokens per forward':22s}{1.0:10.2f}{isd.tokens / max(isd.forwards, 1):10.2f}")
     print(f"greedy output identical to AR's, token for token: {same}/{len(prompts)} prompts, "
           f"{same_burst}/{len(isd.burst_ids)} in the burst")
+    for batch in (1, BURST):
+        print(f"plan at batch {batch}: {plan_step(config, batch)}")
     return same == len(prompts) and same_burst == len(isd.burst_ids)
+
+
+def plan_step(config: Path, batch: int) -> str:
+    """What the ISD plan of `config` runs for a greedy batch of `batch` requests, in words: the
+    tuner may give a batch size lookup steps (the context candidate alone) or AR steps where
+    ISD's own proposals do not pay on this machine."""
+    from selfspec.decoding.width_plan import WidthPlan
+    from selfspec.sglang_ext.config import load_yaml_config
+
+    data = load_yaml_config(config).get("plan")
+    if data is None:
+        return "ISD steps (no width plan)"
+    plan = WidthPlan.from_dict(data, "isd")
+    b = plan.greedy[plan.bucket(batch, False)]
+    opts = ", ".join(f"{k}={v}" for k, v in b.options.items() if k != "match_sizes")
+    kind = {"ngram": "lookup steps", "ar": "plain AR steps"}.get(b.mode, f"{b.mode.upper()} steps")
+    return f"{kind}{' (' + opts + ')' if opts else ''}"
 
 
 def main(argv: list[str] | None = None) -> int:

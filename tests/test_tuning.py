@@ -377,3 +377,20 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     assert "online: false" in ar_plan and "jacobi" not in ar_plan.split("plan:")[1] and "ngram" not in ar_plan
     lookup_plan = (tmp_path / "calibration-lookup.yaml").read_text()
     assert "ngram" in lookup_plan.split("sampled:")[0] and "ngram" not in lookup_plan.split("sampled:")[1]
+
+
+def test_the_demo_says_what_the_plan_runs_at_its_batch_sizes(tmp_path):
+    """`make demo` names the step the ISD plan runs for one request and for its burst: a tuned
+    plan may serve a batch size with lookup or AR steps rather than ISD's own."""
+    from pathlib import Path
+
+    from selfspec.demo import plan_step
+
+    cfg = tmp_path / "plan.yaml"
+    cfg.write_text("mode: ISD\nplan:\n  greedy:\n  - {max_batch: 1, mode: isd, stride: 3}\n"
+                   "  - {max_batch: 4, mode: ngram, num_draft: 12, caps: true}\n  - {max_batch: null, mode: ar}\n"
+                   "  sampled: [{max_batch: null, mode: ar}]\n")
+    assert plan_step(cfg, 1) == "ISD steps (stride=3)"
+    assert plan_step(cfg, 3) == "lookup steps (num_draft=12, caps=True)"
+    assert plan_step(cfg, 8) == "plain AR steps"
+    assert plan_step(Path("serving_configs/isd-n4.yaml"), 1) == "ISD steps (no width plan)"
