@@ -11,8 +11,11 @@ HF engine with `--threads` torch threads (default 1, what `selfspec bench serve`
 server process) and `--dtype` (default float32, what `selfspec serve` uses on a CPU). What a
 served step costs besides the forward (scheduling, bookkeeping, the extend path and verify rules
 of a wide step) is measured on real servers of the mode running AR and verify steps at a few
-batch sizes (`calibrate.py`: two servers, about two minutes per mode), or given with
-`--step-overhead-ms BASE[,PER_REQUEST]` (0 for the offline engine).
+batch sizes (`calibrate.py`: three servers, about three minutes per mode), or given with
+`--step-overhead-ms BASE[,PER_REQUEST]` (0 for the offline engine). A candidate is priced by the
+query tokens its steps carry: the real ones where the CPU worker's forwards are ragged (so a
+lookup whose weak matches draft short, `lookup=12c`, costs what it sends), its padded width on a
+CUDA machine.
 """
 
 from __future__ import annotations
