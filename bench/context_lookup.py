@@ -13,14 +13,20 @@ it is written, the corpus kept from level to level as a server keeps it) for
 - `selfspec+K`: selfspec's context candidate (`ngram.SuffixIndex` over the request's own text,
   then the `corpus.SharedCorpus` of every request served), one chain of K tokens: what a mode's
   `context_tokens=K` branch verifies beside the mode's own proposals; `selfspec+Kc` the same
-  with weak matches cut short (`ngram.WEAK_MATCH_CAPS`, the modes' default `context_caps`).
+  with weak matches cut short (`ngram.WEAK_MATCH_CAPS`, the modes' default `context_caps`),
+  `selfspec+Kca` also each request's draft length following its recent acceptance
+  (`draft_length.RecentAcceptance`, a lookup bucket's `adaptive`).
 
 It reports tokens per step from the candidates alone (a mode's own proposals add to it), on all
 outputs and on those that do not end in a loop, and the query tokens a step verifies (candidate
-+ root; NGRAM always 12): where each query token costs, tokens per query token is what pays. It needs no accelerator and takes about a
-minute on 2 CPU cores (most of it generating the AR outputs):
++ root; NGRAM always 12): where each query token costs, tokens per query token is what pays.
+With `--costs TUNE.json` (what `selfspec tune --json` wrote) it also prices each level's steps
+by that forward-cost table: C x tokens per step / forward ms at C requests of that many query
+tokens (the forward alone, no server overhead: a comparison of drafters, not a prediction of a
+server). It needs no accelerator and takes about a minute on 2 CPU cores (most of it generating
+the AR outputs):
 
-    python bench/context_lookup.py --model tiny-idlm --tokens 8,12,16 [--json out.json]
+    python bench/context_lookup.py --model tiny-idlm --tokens 8,12,16 [--costs bench/results/tune-vm-q.json] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import numpy as np
 from selfspec.benchmarks.repetition import is_repetition_loop
 from selfspec.benchmarks.serve import level_sizes
 from selfspec.decoding.corpus import SharedCorpus
+from selfspec.decoding.draft_length import RecentAcceptance
 from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, WEAK_MATCH_CAPS, SuffixIndex
 from selfspec.decoding.step import DecodeSequence
 
@@ -58,18 +65,24 @@ class Request:
 
 
 class SelfspecDrafter:
-    def __init__(self, tokens: int, capped: bool = False):
-        self.tokens, self.corpus, self.capped = tokens, SharedCorpus(), capped
-        self.name = f"selfspec+{tokens}" + ("c" if capped else "")
+    def __init__(self, tokens: int, capped: bool = False, adaptive: bool = False):
+        self.tokens, self.corpus, self.capped, self.adaptive = tokens, SharedCorpus(), capped, adaptive
+        self.name = f"selfspec+{tokens}" + ("c" if capped else "") + ("a" if adaptive else "")
 
     def start(self, req: Request) -> None:
-        req.state = SuffixIndex(CONTEXT_MATCH_SIZES, self.corpus, DecodeSequence(list(req.prompt)),
-                                WEAK_MATCH_CAPS if self.capped else None)
+        index = SuffixIndex(CONTEXT_MATCH_SIZES, self.corpus, DecodeSequence(list(req.prompt)),
+                            WEAK_MATCH_CAPS if self.capped else None)
+        req.state = (index, RecentAcceptance(self.tokens) if self.adaptive else None)
 
     def paths(self, req: Request) -> list[list[int]]:
-        path = req.state.propose(req.history(), self.tokens)
+        index, recent = req.state
+        path = index.propose(req.history(), recent.limit() if recent is not None else self.tokens)
         req.query_tokens += len(path) + 1
         return [path]
+
+    def record(self, req: Request, committed: int) -> None:
+        if req.state[1] is not None:
+            req.state[1].record(committed - 1)
 
     def stepped(self, reqs: list[Request]) -> None:
         pass  # SuffixIndex adds the text to the corpus when it next proposes
@@ -101,6 +114,9 @@ class NgramDrafter:
         mask = np.asarray(mask).reshape(self.n, self.n)  # row i: node i's ancestors and itself
         leaves = [i for i in range(1, self.n) if not mask[i + 1 :, i].any() and not mask[1:i, i].any()]
         return [[int(ids[c]) for c in range(1, self.n) if mask[leaf][c]] for leaf in leaves]
+
+    def record(self, req: Request, committed: int) -> None:
+        pass
 
     def stepped(self, reqs: list[Request]) -> None:
         self.corpus.insert([r.history()[-NGRAM_DEPTH:] for r in reqs])
@@ -140,7 +156,9 @@ def replay(drafter, data: list[tuple[list[int], list[int]]], levels: list[int], 
                 drafter.start(req)
                 active.append(req)
             for req in active:
-                req.committed += committed_by(drafter.paths(req), req.output[req.committed :])
+                n = committed_by(drafter.paths(req), req.output[req.committed :])
+                drafter.record(req, n)
+                req.committed += n
                 req.steps += 1
             drafter.stepped(active)
             done += [r for r in active if r.committed >= len(r.output)]
@@ -160,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4,16,32", help="levels, as bench serve (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="AR output tokens per request (default 128)")
     p.add_argument("--tokens", default="8,12,16", help="selfspec candidate lengths K to replay (default %(default)s)")
+    p.add_argument("--costs", help="a `selfspec tune --json` report: price each level's steps by its forward-cost table")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     try:
@@ -169,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency and --tokens take comma-separated integers, e.g. 1,4,16")
     if not Path(args.prompts).is_file():
         p.error(f"--prompts {args.prompts}: no such file")
+    costs = None
+    if args.costs:
+        from selfspec.tuning.cost import CostTable
+
+        try:
+            costs = CostTable(**json.loads(Path(args.costs).read_text())["costs"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--costs {args.costs}: not a `selfspec tune --json` report ({e})")
     if min(levels + lengths + [args.num_prompts, args.max_tokens]) < 1:
         p.error("--concurrency, --tokens, --num-prompts and --max-tokens must be >= 1")
 
@@ -189,12 +216,22 @@ def main(argv: list[str] | None = None) -> int:
               "level_sizes": sizes, "drafters": {}}
     print(f"{'drafter':>14} " + " ".join(f"{'C=' + str(c):>20}" for c in levels)
           + "   (tokens/step: all / non-looping [query tokens/step])")
-    drafters = [NgramDrafter()] + [SelfspecDrafter(k, capped) for k in lengths for capped in (False, True)]
+    drafters = [NgramDrafter()] + [SelfspecDrafter(k, capped, adaptive) for k in lengths
+                                   for capped, adaptive in ((False, False), (True, False), (True, True))]
+    priced: list[str] = []
     for drafter in drafters:
         res = replay(drafter, data, levels, sizes)
         report["drafters"][drafter.name] = [r.__dict__ for r in res]
         print(f"{drafter.name:>14} " + " ".join(f"{r.tokens_per_step:>6.2f} /{r.non_loop_tokens_per_step:>5.2f} "
                                                f"[{r.query_tokens_per_step:>4.1f}]" for r in res))
+        if costs is not None:  # NGRAM's tree is priced as its 12 query tokens, like a chain
+            rates = [1e3 * r.concurrency * r.tokens_per_step / costs.time_ms(r.concurrency, r.query_tokens_per_step)
+                     for r in res]
+            report["drafters"][drafter.name + " forward tok/s"] = [round(x) for x in rates]
+            priced.append(f"{drafter.name:>14} " + " ".join(f"{x:>20.0f}" for x in rates))
+    if priced:
+        print(f"\nforward-only tok/s by {args.costs}'s cost table (C x tokens/step / forward ms):")
+        print("\n".join(priced))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")

@@ -71,6 +71,8 @@ def tree_outcomes(monkeypatch):
     ("sjd", {"window": 5, "history_offset": 2, "context_tokens": 3, "context_match_sizes": (2, 1)}),
     # lookup steps with a second candidate from another place the suffix occurred
     ("ngram", {"num_draft": 4, "match_sizes": (3, 2, 1), "branches": 2}),
+    # lookup steps whose draft length follows each request's recent acceptance
+    ("ngram", {"num_draft": 6, "match_sizes": (3, 2, 1), "caps": True, "adaptive": True}),
 ])
 def test_candidates_are_greedy_ar(setup, tree_outcomes, mode, config):
     model, mask_id, prompts, reference, adapter = setup
@@ -83,10 +85,15 @@ def test_candidates_are_greedy_ar(setup, tree_outcomes, mode, config):
         for o in outs:
             committed.update(o.metrics.accept_hist)
     # the candidate branch both won and lost steps: the comparison above covered both outcomes
-    if config.get("stride") == 1:  # lookup steps verify the candidate as a chain, no tree
+    if _chains_only(mode, config):  # lookup steps verify the candidate as a chain, no tree
         assert not tree_outcomes and committed[1] > 0 and max(committed) > 1, (tree_outcomes, committed)
     else:
         assert tree_outcomes[0] > 0 and tree_outcomes[1] > 0, tree_outcomes
+
+
+def _chains_only(mode: str, config: dict) -> bool:
+    """Lookup steps of one candidate: verified as chains, never as a tree."""
+    return config.get("stride") == 1 or (mode == "ngram" and config.get("branches", 1) == 1)
 
 
 def test_jacobi_with_context_candidate_is_greedy_ar(setup):
@@ -162,6 +169,7 @@ def test_two_paths_keep_the_distribution_of_each_position():
     ("isd", {"stride": 1, "context_tokens": 3, "context_match_sizes": (1,)}),
     ("sjd", {"window": 2, "context_tokens": 3, "context_match_sizes": (1,)}),
     ("ngram", {"num_draft": 3, "match_sizes": (1,), "branches": 2}),
+    ("ngram", {"num_draft": 3, "match_sizes": (1,), "adaptive": True}),
 ])
 def test_sampled_candidates_keep_ar_sampling(tree_outcomes, mode, config):
     model = tiny_qwen3(8, hidden_size=32, seed=4, initializer_range=0.3).eval()
@@ -174,7 +182,7 @@ def test_sampled_candidates_keep_ar_sampling(tree_outcomes, mode, config):
     counts = Counter(tuple(o.token_ids[:steps]) for o in outs)
     stat, pvalue, dof = chi_square_pvalue(counts, exact)
     assert pvalue > 0.01, (stat, dof)
-    if config.get("stride") == 1:  # lookup steps: candidates rejected at once and accepted in part
+    if _chains_only(mode, config):  # lookup steps: candidates rejected at once and accepted in part
         committed = sum((o.metrics.accept_hist for o in outs), Counter())
         assert committed[1] > 100 and sum(c for k, c in committed.items() if k > 1) > 100, committed
     else:
@@ -311,6 +319,46 @@ def test_a_weak_match_drafts_a_short_candidate():
         seq = DecodeSequence([1, 2, 3])
         ISDMode(ISDConfig(stride=2, context_tokens=16, context_caps=caps), mask_token_id=99).start(seq)
         assert seq.state.index.weak_caps == (WEAK_MATCH_CAPS if caps else {})
+
+
+def test_a_requests_draft_length_follows_its_recent_acceptance():
+    """`draft_length.RecentAcceptance`: the first draft is full length, a miss shortens the next
+    ones, drafts accepted whole grow the limit back to full; never past full, never below 1."""
+    from selfspec.decoding.draft_length import RecentAcceptance
+
+    recent = RecentAcceptance(16)
+    assert recent.limit() == 16
+    limits = []
+    for _ in range(4):
+        recent.record(0)
+        limits.append(recent.limit())
+    assert limits[0] < 16 and limits == sorted(limits, reverse=True) and limits[-1] == 2, limits
+    grown = []
+    while recent.limit() < 16:  # each step's draft accepted whole
+        recent.record(recent.limit())
+        grown.append(recent.limit())
+        assert len(grown) < 6, grown
+    assert grown == sorted(grown) and grown[-1] == 16, grown
+    recent.record(100)
+    assert recent.limit() == 16
+    assert RecentAcceptance(1).limit() == 1
+
+
+def test_adaptive_lookups_send_fewer_query_tokens_for_the_same_text():
+    """An `adaptive` lookup step shortens the drafts of requests whose drafts keep missing: on
+    code with long repeats and new lines between, the same greedy text for fewer query tokens
+    per committed token (the test fails if the limit is never applied)."""
+    engine = HFEngine.from_pretrained("tiny-idlm")
+    ids = [engine.encode(t) for t in ("import os\nimport sys\nimport re\nimport os\nimport sys\n",
+                                      "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
+                                      "class Point:\n    def __init__(self, x, y):\n")]
+    base = {"num_draft": 16, "match_sizes": (4, 3, 2, 1)}
+    full = engine.generate(ids, 64, stop_token_ids=[], mode="ngram", mode_config=base, batch_size=3)
+    adapt = engine.generate(ids, 64, stop_token_ids=[], mode="ngram", mode_config={**base, "adaptive": True},
+                            batch_size=3)
+    assert [o.token_ids for o in adapt] == [o.token_ids for o in full]
+    per_token = lambda outs: sum(o.metrics.query_tokens for o in outs) / sum(len(o.token_ids) for o in outs)  # noqa: E731
+    assert per_token(adapt) < 0.8 * per_token(full), (per_token(adapt), per_token(full))
 
 
 def test_own_history_first_then_the_corpus_for_greedy_rows():

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.server
 
 PLAN = [{"max_batch": 2, "stride": 3, "context_tokens": 4},
         {"max_batch": 5, "mode": "ngram", "num_draft": 4, "match_sizes": [8, 6, 4, 3, 2, 1], "corpus": True,
-         "branches": 2, "caps": True},  # capped: rows of one ragged forward draft different lengths
+         "branches": 2, "caps": True, "adaptive": True},  # capped, adaptive: rows of one ragged forward
+        # draft different lengths, each following its request's recent acceptance
         {"max_batch": 8, "mode": "ar"}, {"max_batch": None, "stride": 2}]
 #: each bucket's forward width: ISD 1 + 2(N-1) (+ candidate 4 + its MASK tail N-1), a lookup
 #: step 1 + two candidates, AR 1

@@ -89,7 +89,8 @@ def test_every_modes_plan_may_run_lookup_steps_where_its_own_are_too_wide():
 
     for mode in ("isd", "risd", "sjd", "jacobi"):
         assert {c.label for c in candidates_for(mode) if c.mode == "ngram"} == {
-            "lookup=4", "lookup=8", "lookup=12", "lookup=16", "lookup=8x2", "lookup=12x2", "lookup=12c", "lookup=16c"}
+            "lookup=4", "lookup=8", "lookup=12", "lookup=16", "lookup=8x2", "lookup=12x2", "lookup=12c", "lookup=16c",
+            "lookup=12ca", "lookup=16ca"}
     lookup = next(c for c in candidates_for("jacobi") if c.label == "lookup=4")
     cands = [CANDIDATES[0], Candidate("jacobi", {"block_size": 4, "context_tokens": 8}, 12, {"greedy": 3.2}),
              Candidate(lookup.mode, lookup.options, 5, {"greedy": 1.8})]

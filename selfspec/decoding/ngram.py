@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.decoding.corpus import SharedCorpus
+from selfspec.decoding.draft_length import RecentAcceptance
 from selfspec.decoding.logits_rules import grammar_valid
 from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split, path_outcome, verify_paths
 from selfspec.decoding.step import (
@@ -72,6 +73,8 @@ class NgramConfig:
     # prompt-lookup baseline, on in the lookup buckets `selfspec tune` writes
     corpus: bool = False
     caps: bool = False  # weak matches draft short candidates (`WEAK_MATCH_CAPS`)
+    # each request's draft length follows its recent acceptance (`draft_length.py`)
+    adaptive: bool = False
     # 2: a second candidate from another place the suffix occurred (`SuffixIndex.alternative`),
     # verified as a second branch of the step's tree where it differs from the first
     branches: int = 1
@@ -234,6 +237,7 @@ class NgramState:
     index: SuffixIndex
     drafts: list[int] = field(default_factory=list)
     plan: TreePlan | None = None  # this step's two branches, when it has a second candidate
+    recent: RecentAcceptance | None = None  # with `adaptive`: what limits the next draft
 
 
 def finish_chains(drafts: list[list[int]], logits: torch.Tensor, ctx: StepContext, tau: float = 0.0
@@ -266,12 +270,14 @@ class NgramMode(Mode):
         self.max_width = config.branches * config.num_draft + 1
 
     def start(self, seq: DecodeSequence) -> None:
-        seq.state = NgramState(context_index(seq, self.config, self.corpus, keep_previous=self.config.branches > 1))
+        seq.state = NgramState(context_index(seq, self.config, self.corpus, keep_previous=self.config.branches > 1),
+                               recent=RecentAcceptance(self.config.num_draft) if self.config.adaptive else None)
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
-        k, out = self.config.num_draft, []
+        out = []
         for s in seqs:
             st = s.state
+            k = st.recent.limit() if st.recent is not None else self.config.num_draft
             st.drafts = grammar_valid(s, st.index.propose(s.history, k, shared=s.sampling.greedy))
             second = (grammar_valid(s, st.index.alternative(s.history, k, st.drafts, shared=s.sampling.greedy))
                       if self.config.branches > 1 and st.drafts else [])
@@ -283,7 +289,11 @@ class NgramMode(Mode):
         return out
 
     def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
-        return finish_split(seqs, logits, ctx, self._finish_chains, self._finish_tree)
+        outcomes = finish_split(seqs, logits, ctx, self._finish_chains, self._finish_tree)
+        if self.config.adaptive:
+            for s, o in zip(seqs, outcomes):
+                s.state.recent.record(o.accepted)
+        return outcomes
 
     def _finish_chains(self, seqs, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
         return finish_chains([s.state.drafts for s in seqs], logits, ctx, self.tau)

@@ -46,12 +46,15 @@ GRIDS["risd"] = GRIDS["isd"]
 #: (README "Lookup steps in every mode's plan"): a longer single candidate does better where
 #: query tokens cost (a CPU), the second branch where they are nearly free.
 #: With `caps`, weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`): fewer query tokens
-#: for nearly the same tokens a step, which pays where the forward is ragged (CPU).
+#: for nearly the same tokens a step, which pays where the forward is ragged (CPU); with
+#: `adaptive` too, each request's draft length follows its recent acceptance
+#: (`draft_length.py`): fewer still, which pays at the wider batches.
 LOOKUP_GRID: list[dict[str, Any]] = [
     {"num_draft": k, "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True, **({"branches": b} if b > 1 else {}),
-     **({"caps": True} if caps else {})}
-    for k, b, caps in ((4, 1, False), (8, 1, False), (12, 1, False), (16, 1, False), (8, 2, False), (12, 2, False),
-                       (12, 1, True), (16, 1, True))]
+     **({"caps": True} if caps else {}), **({"adaptive": True} if adaptive else {})}
+    for k, b, caps, adaptive in ((4, 1, False, False), (8, 1, False, False), (12, 1, False, False),
+                                 (16, 1, False, False), (8, 2, False, False), (12, 2, False, False),
+                                 (12, 1, True, False), (16, 1, True, False), (12, 1, True, True), (16, 1, True, True))]
 
 
 @dataclass
@@ -84,7 +87,7 @@ class Candidate:
         if self.is_lookup:  # the grid varies the draft length and the branches only
             branches = self.options.get("branches", 1)
             return (f"lookup={self.options['num_draft']}" + (f"x{branches}" if branches > 1 else "")
-                    + ("c" if self.options.get("caps") else ""))
+                    + ("c" if self.options.get("caps") else "") + ("a" if self.options.get("adaptive") else ""))
         return ",".join(f"{k}={v}" for k, v in self.options.items()) or "defaults"
 
     def to_dict(self) -> dict[str, Any]:
