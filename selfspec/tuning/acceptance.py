@@ -67,6 +67,9 @@ class Candidate:
     # `measure(ragged=True)` unpadded: what a ragged CPU forward carries)
     query_tokens_per_step: dict[str, float] = field(default_factory=dict)
     ragged: bool = False  # its served forwards carry the real query tokens only: priced by them
+    # "greedy" / "sampled" -> per prompt [committed tokens, decode steps, query tokens] (the
+    # prefill's left out): what `level.py` replays a served level's requests from
+    per_request: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def priced_width(self, kind: str) -> float:
         """The query tokens per request a step of it is priced by: the real ones where the
@@ -92,7 +95,14 @@ class Candidate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "options": self.options, "width": self.width, "ragged": self.ragged,
-                "tokens_per_step": self.tokens_per_step, "query_tokens_per_step": self.query_tokens_per_step}
+                "tokens_per_step": self.tokens_per_step, "query_tokens_per_step": self.query_tokens_per_step,
+                "per_request": self.per_request}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Candidate:
+        return Candidate(d["mode"], dict(d.get("options") or {}), int(d.get("width", 1)),
+                         dict(d.get("tokens_per_step") or {}), dict(d.get("query_tokens_per_step") or {}),
+                         bool(d.get("ragged", False)), dict(d.get("per_request") or {}))
 
 
 def candidates_for(mode: str, grid: list[dict[str, Any]] | None = None) -> list[Candidate]:
@@ -135,10 +145,12 @@ def measure(engine, candidates: list[Candidate], prompts: list[list[int]], max_n
             else:
                 outs = engine.generate(prompts, max_new_tokens, sampling, seed=seed, stop_token_ids=[],
                                        mode=mode_obj, batch_size=len(prompts))
-                tokens = sum(o.metrics.committed_tokens - 1 for o in outs)  # the prefill's token excluded
-                steps = sum(o.metrics.forwards - 1 for o in outs)
-                cand.tokens_per_step[kind] = tokens / max(steps, 1)
-                query = sum(o.metrics.query_tokens - 1 for o in outs)
-                cand.query_tokens_per_step[kind] = query / max(steps, 1)
+                # the prefill's token, forward and query tokens excluded
+                rows = [[o.metrics.committed_tokens - 1, o.metrics.forwards - 1, o.metrics.query_tokens - 1]
+                        for o in outs]
+                cand.per_request[kind] = rows
+                steps = sum(r[1] for r in rows)
+                cand.tokens_per_step[kind] = sum(r[0] for r in rows) / max(steps, 1)
+                cand.query_tokens_per_step[kind] = sum(r[2] for r in rows) / max(steps, 1)
             if progress is not None:
                 progress.update(1)
