@@ -165,6 +165,38 @@ def test_tuner_predictions_sit_beside_the_rows_served_with_its_plan(tmp_path):
         predictions.load(path)
 
 
+def test_a_tune_with_per_prompt_acceptance_predicts_the_level_replayed(tmp_path):
+    """With the tune's per-prompt records (and the report's max_tokens), a level's prediction is
+    the level replayed (`tuning/level.py`): a looping prompt finishes first and the other runs on
+    alone; the steady batch's prediction stays beside it."""
+    from selfspec.benchmarks import predictions
+
+    lookup = {"mode": "ngram", "options": {"num_draft": 12}, "width": 13, "tokens_per_step": {"greedy": 200 / 110},
+              "per_request": {"greedy": [[100, 10, 130], [100, 100, 1300]]}}
+    ar = {"mode": "ar", "options": {}, "width": 1, "tokens_per_step": {"greedy": 1.0},
+          "per_request": {"greedy": [[100, 100, 100], [100, 100, 100]]}}
+    plan = {"greedy": [{"max_batch": None, "mode": "ngram", "num_draft": 12}]}
+    tune = {"schema": "selfspec.tune/v1", "costs": {"batch_sizes": [1, 2], "widths": [1, 16], "ms": [[10, 10], [10, 10]]},
+            "modes": {"isd": {"config": "x.yaml", "plan": plan, "candidates": [ar, lookup],
+                              "step_overhead": {"greedy": {"ar_ms": {"1": 0.0}}},
+                              "predicted": {"greedy": {"2": {"ar": 200.0, "lookup=12": 364.0}}}}}}
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps(tune))
+    level = {"concurrency": 2, "output_tok_s": 180.0, "requests": 2, "ratio_vs_ar": 1.0}
+    report = {"temperature": 0.0, "max_tokens": 100, "results": [
+        {"mode": "ar", "status": "ok", "levels": [dict(level)]},
+        {"mode": "isd", "status": "ok", "selfspec_plan": plan, "levels": [dict(level, ratio_vs_ar=1.0)]}]}
+    predictions.attach(report, predictions.load(path))
+    ar_lv, isd_lv = (r["levels"][0] for r in report["results"])
+    assert ar_lv["predicted_tok_s"] == pytest.approx(200.0)  # 2 x 1 token per 10 ms step
+    assert isd_lv["predicted_tok_s"] == pytest.approx(200.0) and isd_lv["predicted_steady_tok_s"] == 364.0
+    assert isd_lv["prediction_error"] == pytest.approx(200.0 / 180.0 - 1)
+    assert isd_lv["predicted_speedup"] == pytest.approx(1.0)
+    del report["max_tokens"]  # an older report: the steady prediction
+    predictions.attach(report, predictions.load(path))
+    assert report["results"][1]["levels"][0]["predicted_tok_s"] == 364.0
+
+
 @pytest.mark.server
 def test_bench_serve_ar_and_sjd(tmp_path, tiny_base_path):
     parser = argparse.ArgumentParser()

@@ -3,6 +3,8 @@ width 1), its buckets, and the cost interpolation."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from selfspec.decoding.width_plan import WidthPlan
@@ -337,6 +339,19 @@ def test_fit_overhead_recovers_the_served_step_cost():
     assert ov.verify_ms == pytest.approx({b * width: x for b, x in verify_extra.items()})
     assert middle_width([CANDIDATES[0], Candidate("jacobi", {}, 8, {"greedy": 2.0, "sampled": float("nan")})],
                         "sampled") is None
+    # lookups timed at two widths: priced by batch and width, reproducing both, linear between
+    short = {b: costs.time_ms(b, 3) + truth.ms(b) + x for b, x in ((1, 4.0), (8, 6.0))}
+    ov = fit_overhead(costs, ar, verify, width, look, 9, short, 3)
+    assert set(ov.lookup_by_width) == {9, 3}
+    assert ov.lookup_by_width[9] == pytest.approx({2: 0.5, 9: 2.0})
+    assert ov.lookup_by_width[3] == pytest.approx({1: 4.0, 8: 6.0})
+    for steps, w in ((look, 9), (short, 3)):
+        for b, ms in steps.items():
+            assert costs.time_ms(b, w) + ov.ms(b, w, lookup=True) == pytest.approx(ms)
+    at = lambda w: ov.ms(8, w, lookup=True) - truth.ms(8)  # noqa: E731
+    assert at(6) == pytest.approx((at(3) + at(9)) / 2) and at(3) > at(9)  # short drafts dearer per token here
+    assert ov.ms(9, width) == pytest.approx(truth.ms(9) + 3.0)  # verify steps priced as before
+    assert StepOverhead.from_dict(json.loads(json.dumps(ov.to_dict()))) == ov
 
 
 @pytest.mark.server
@@ -360,10 +375,12 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     out = calibrate.server_overhead(str(tiny_base_path), "jacobi", costs, cands, list(range(100, 140)), [1, 2],
                                     temperature=0.7, log_dir=str(tmp_path))
     greedy, sampled = out["greedy"], out["sampled"]
-    assert set(greedy.measured) == {"ar", "verify@5", "lookup@9"}
+    assert set(greedy.measured) == {"ar", "verify@5", "lookup@9", "lookup@5"}
     assert set(greedy.measured["ar"]) == {1, 2} and set(greedy.measured["verify@5"]) == {1}
-    # the lookup step, timed at batch 1 on a server of its own, prices lookups alone
+    # the lookup step, timed at batch 1 on a server of its own, prices lookups alone; the short
+    # lookup (4 tokens) timed at batch 2 on the same server gives its second width
     assert set(greedy.measured["lookup@9"]) == {1} and set(greedy.lookup_ms) == {9}
+    assert set(greedy.measured["lookup@5"]) == {2} and set(greedy.lookup_by_width) == {9, 5}
     # batch 1's AR step is measured, not extrapolated from batch 2
     assert greedy.ms(1) == pytest.approx(max(greedy.measured["ar"][1] - costs.time_ms(1, 1), 0.0))
     assert all(ms > 1.0 for steps in greedy.measured.values() for ms in steps.values())
@@ -378,6 +395,7 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     assert "online: false" in ar_plan and "jacobi" not in ar_plan.split("plan:")[1] and "ngram" not in ar_plan
     lookup_plan = (tmp_path / "calibration-lookup.yaml").read_text()
     assert "ngram" in lookup_plan.split("sampled:")[0] and "ngram" not in lookup_plan.split("sampled:")[1]
+    assert "num_draft: 4" in lookup_plan and "num_draft: 8" in lookup_plan
 
 
 def test_the_demo_says_what_the_plan_runs_at_its_batch_sizes(tmp_path):
@@ -395,3 +413,33 @@ def test_the_demo_says_what_the_plan_runs_at_its_batch_sizes(tmp_path):
     assert plan_step(cfg, 3) == "lookup steps (num_draft=12, caps=True)"
     assert plan_step(cfg, 8) == "plain AR steps"
     assert plan_step(Path("serving_configs/isd-n4.yaml"), 1) == "ISD steps (no width plan)"
+
+
+def test_a_level_replay_thins_the_batch_as_requests_finish():
+    """`level.replay_level`: a request copying a loop (10 tokens a step) finishes in 10 steps and
+    leaves its partner (1 a step) to run 90 more at batch 1: 200 tokens in 100 steps, where the
+    steady batch of both (their pooled tokens per step) predicts 1.8x as much. Equal requests
+    replay to the steady prediction; each step runs the pick for its batch."""
+    from selfspec.tuning.level import replay_level
+
+    flat = table(lambda b, w: 10.0)
+    lookup = Candidate("ngram", {"num_draft": 12}, 13, {"greedy": 200 / 110}, {"greedy": 13.0},
+                       per_request={"greedy": [[100, 10, 130], [100, 100, 1300]]})
+    level = replay_level(flat, lambda b: lookup, "greedy", concurrency=2, requests=2, tokens=100)
+    assert level.steps == 100 and level.tok_s == pytest.approx(200.0)
+    from selfspec.tuning.choose import throughput
+
+    assert throughput(flat, lookup, "greedy", 2) == pytest.approx(1.82 * level.tok_s, rel=0.01)
+    even = Candidate("ngram", {"num_draft": 4}, 5, {"greedy": 2.0}, per_request={"greedy": [[100, 50, 250]]})
+    assert replay_level(flat, lambda b: even, "greedy", 2, 4, 100).tok_s == pytest.approx(
+        throughput(flat, even, "greedy", 2))
+    ar = CANDIDATES[0]
+    tail_ar = replay_level(flat, lambda b: lookup if b > 1 else ar, "greedy", 2, 2, 100)
+    assert tail_ar.steps == 10 + 90 * 1 and tail_ar.tok_s == pytest.approx(200.0)  # 1 token a step either way
+    # ragged candidates are priced by the mean query tokens of the requests in flight
+    ragged = Candidate("ngram", {"num_draft": 12}, 13, {"greedy": 1.0}, {"greedy": 3.0}, True,
+                       {"greedy": [[100, 100, 300]]})
+    linear = table(lambda b, w: float(b * w))
+    assert replay_level(linear, lambda b: ragged, "greedy", 4, 4, 100).tok_s == pytest.approx(1e3 * 4 / 12)
+    with pytest.raises(ValueError, match="concurrency"):
+        replay_level(flat, lambda b: ar, "greedy", 0, 1, 1)

@@ -1,11 +1,13 @@
 """The tuner's predicted tok/s beside a served measurement (`bench serve --predictions TUNE.json`).
 
-`selfspec tune --json` records, per tuned mode, the plan it wrote and every candidate's predicted
-output tok/s at each batch size of its grid, for greedy and sampled batches. A served row whose
-`--selfspec-config` is that plan gets, at each concurrency level, the prediction for the bucket
-the plan runs at the level's batch (min(C, requests), where it is on the tuner's grid); the AR
-row gets the AR candidate's. The prediction is a steady batch decoding; the measurement also
-holds prefill and a batch that thins as requests finish, so the two agree best at small C, and
+`selfspec tune --json` records, per tuned mode, the plan it wrote, every candidate's predicted
+output tok/s at each batch size of its grid (a steady batch), for greedy and sampled batches, and
+each candidate's per-prompt acceptance. A served row whose `--selfspec-config` is that plan gets,
+at each concurrency level, the level replayed (`tuning/level.py`: its requests, C in flight,
+each advancing by its own acceptance, the batch thinning as they finish, each step running the
+plan's bucket for its batch); the AR row gets AR steps replayed alike. A tune without per-prompt
+records predicts the steady batch of the bucket the plan runs at min(C, requests) instead (also
+kept as `predicted_steady_tok_s`). The replay leaves prefill out, for every row alike, and
 `step_error` compares the step times alone.
 
 Absolute tok/s also move with the machine: this shared VM served plain AR at C=1 anywhere from
@@ -18,6 +20,7 @@ one measured against the AR row of the same run; the machine's drift cancels in 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,8 @@ from selfspec.decoding.width_plan import WidthPlan
 from selfspec.tuning.acceptance import Candidate
 
 
-PREDICTION_KEYS = ("predicted_tok_s", "prediction_error", "step_error", "predicted_speedup", "speedup_error")
+PREDICTION_KEYS = ("predicted_tok_s", "predicted_steady_tok_s", "prediction_error", "step_error", "predicted_speedup",
+                   "speedup_error")
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -92,6 +96,41 @@ def _candidate_at(tuned: dict[str, Any], mode: str | None, sampled: bool, batch:
                 None)
 
 
+def _replayed(tune: dict[str, Any], tuned: dict[str, Any], mode: str | None, sampled: bool, level: dict[str, Any],
+              tokens: int) -> float | None:
+    """The level's tok/s replayed from the tune's per-prompt acceptance (`level.replay_level`);
+    None where the tune kept none or the plan names a candidate it did not measure."""
+    from selfspec.tuning.cost import CostTable, StepOverhead
+    from selfspec.tuning.level import replay_level
+
+    kind = "sampled" if sampled else "greedy"
+    cands = [Candidate.from_dict(c) for c in tuned["candidates"]]
+    if not all(c.per_request.get(kind) for c in cands if math.isfinite(c.tokens_per_step.get(kind, math.nan))):
+        return None
+    by_key = {(c.mode, repr(sorted(c.options.items()))): c for c in cands}
+    picks: dict[int, Candidate | None] = {}
+
+    def pick(batch: int) -> Candidate:
+        if batch not in picks:
+            d = _candidate_at(tuned, mode, sampled, batch)
+            picks[batch] = by_key.get((d["mode"], repr(sorted(d["options"].items())))) if d else None
+        if picks[batch] is None:
+            raise LookupError(batch)
+        return picks[batch]
+
+    overhead = (tuned.get("step_overhead") or {}).get(kind)
+    try:
+        return replay_level(CostTable(**tune["costs"]), pick, kind, lv_int(level, "concurrency"),
+                            lv_int(level, "requests"), tokens,
+                            StepOverhead.from_dict(overhead) if overhead else None).tok_s
+    except (LookupError, ValueError):
+        return None
+
+
+def lv_int(level: dict[str, Any], key: str) -> int:
+    return int(level.get(key) or level["concurrency"])
+
+
 def served_tokens_per_step(level: dict[str, Any]) -> float | None:
     """Tokens a request committed per decode forward at this level (the prefill's token and
     forward left out), from its tokens, requests and TPF."""
@@ -136,16 +175,20 @@ def attach(report: dict[str, Any], tune: dict[str, Any]) -> None:
         for lv in row["levels"]:
             batch = min(lv["concurrency"], lv.get("requests") or lv["concurrency"])
             cand = _candidate_at(tuned, mode, sampled, batch) or {"mode": None, "options": {}, "tokens_per_step": {}}
-            pred = (tuned["predicted"].get(kind) or {}).get(str(batch), {}).get(
+            steady = (tuned["predicted"].get(kind) or {}).get(str(batch), {}).get(
                 Candidate(cand["mode"], cand["options"]).label)
+            replayed = _replayed(tune, tuned, mode, sampled, lv, int(report.get("max_tokens") or 0)) \
+                if report.get("max_tokens") else None
+            pred = replayed if replayed is not None else steady
             measured = lv["output_tok_s"]
             lv["predicted_tok_s"] = pred
+            lv["predicted_steady_tok_s"] = steady
             lv["prediction_error"] = pred / measured - 1 if pred and measured else None
             offline = cand["tokens_per_step"].get(kind)
             served = served_tokens_per_step(lv) if mode else 1.0
             tpot = lv.get("tpot_ms_p50")
-            lv["step_error"] = (tpot * served / (1e3 * batch * offline / pred) - 1
-                                if pred and offline and served and tpot else None)
+            lv["step_error"] = (tpot * served / (1e3 * batch * offline / steady) - 1
+                                if steady and offline and served and tpot else None)
     _attach_speedups(report)
 
 

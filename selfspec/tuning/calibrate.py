@@ -19,7 +19,12 @@ which made every predicted speed-up at C=1 too high (README "Predicted speed-ups
 of near-ties"). A third server runs a lookup step (`lookup_candidate`) at every batch, timed
 at the verify batches: a lookup step is priced by its own excess (`cost.StepOverhead.lookup_ms`),
 not by the mode's own step's (RISD's carries its adapter). Timed at batch 2 and above and
-extrapolated down, its batch-1 excess came out ~0 ms where served it was ~2.5 ms.
+extrapolated down, its batch-1 excess came out ~0 ms where served it was ~2.5 ms. The same
+server runs a short lookup (`short_lookup`, the 4-token one) at the AR batches, timed there
+too: with two widths a lookup step is priced by its batch and its width
+(`cost.StepOverhead.lookup_by_width`), which a capped or adaptive lookup's ragged forward,
+carrying fewer tokens than any padded width, needs (the served forward's cost grows more
+slowly with query tokens than the HF grid's).
 """
 
 from __future__ import annotations
@@ -56,30 +61,27 @@ def calibration_batches(batch_sizes: list[int]) -> tuple[list[int], list[int]]:
 
 def ar_only_plan() -> dict:
     """The second calibration server's plan: AR steps at every batch, greedy and sampled."""
-    return lookup_plan({})
-
-
-def lookup_plan(lookup: dict[str, Candidate | None]) -> dict:
-    """The third calibration server's plan: the kind's lookup step at every batch (AR steps for a
-    kind without one)."""
-    def kind(cand: Candidate | None) -> list[dict]:
-        return [{"max_batch": None, **({"mode": "ar"} if cand is None else {"mode": cand.mode, **cand.options})}]
-
-    return {"greedy": kind(lookup.get("greedy")), "sampled": kind(lookup.get("sampled")), "online": False}
+    ar = [{"max_batch": None, "mode": "ar"}]
+    return {"greedy": ar, "sampled": list(ar), "online": False}
 
 
 def calibration_plan(ar_batches: list[int], verify_batches: list[int], greedy: Candidate | None,
-                     sampled: Candidate | None) -> dict:
-    """Plan buckets: AR steps at `ar_batches`, the candidate at `verify_batches` (None: AR there
-    too); batches in between fall in the next bucket and are never timed."""
-    def kind(cand: Candidate | None) -> list[dict]:
-        verify = {"mode": "ar"} if cand is None else {"mode": cand.mode, **cand.options}
-        steps = {**{b: {"mode": "ar"} for b in ar_batches}, **{b: verify for b in verify_batches}}
+                     sampled: Candidate | None, between: dict[str, Candidate | None] | None = None) -> dict:
+    """Plan buckets: AR steps at `ar_batches` (or the kind's `between` candidate there), the
+    candidate at `verify_batches` (None: AR there too); batches in between fall in the next
+    bucket and are never timed."""
+    def step(cand: Candidate | None) -> dict:
+        return {"mode": "ar"} if cand is None else {"mode": cand.mode, **cand.options}
+
+    def kind(cand: Candidate | None, other: Candidate | None) -> list[dict]:
+        steps = {**{b: step(other) for b in ar_batches}, **{b: step(cand) for b in verify_batches}}
         out = [{"max_batch": b, **steps[b]} for b in sorted(steps)]
         out[-1]["max_batch"] = None
         return out
 
-    return {"greedy": kind(greedy), "sampled": kind(sampled), "online": False}
+    between = between or {}
+    return {"greedy": kind(greedy, between.get("greedy")), "sampled": kind(sampled, between.get("sampled")),
+            "online": False}
 
 
 def _generate(base_url: str, prompt: list[int], tokens: int, temperature: float) -> int:
@@ -114,23 +116,34 @@ def step_ms(base_url: str, prompt: list[int], batch: int, temperature: float) ->
 
 
 def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dict[int, float],
-                 width: int, lookup_steps: dict[int, float] | None = None, lookup_width: int = 1) -> StepOverhead:
+                 width: int, lookup_steps: dict[int, float] | None = None, lookup_width: int = 1,
+                 short_steps: dict[int, float] | None = None, short_width: int = 1) -> StepOverhead:
     """`ar_steps`: batch -> measured AR step ms; `verify_steps`: batch -> measured step ms of a
     `width`-token verify candidate; `lookup_steps` the same of a `lookup_width`-token lookup
-    step. Excesses are clamped at 0 (a step never costs less than its forward)."""
+    step, `short_steps` of a narrower `short_width`-token one (then a lookup step is priced by
+    batch and width, `StepOverhead.lookup_by_width`). Excesses are clamped at 0 (a step never
+    costs less than its forward)."""
     ar = {b: max(ms - costs.time_ms(b, 1), 0.0) for b, ms in sorted(ar_steps.items())}
     ov = StepOverhead(ar_ms=ar)
 
-    def excess(steps: dict[int, float], w: int) -> dict[int, float]:
-        return {b * w: max(ms - costs.time_ms(b, w) - ov.ms(b), 0.0) for b, ms in sorted(steps.items())}
+    def by_batch(steps: dict[int, float], w: int) -> dict[int, float]:
+        return {b: max(ms - costs.time_ms(b, w) - ov.ms(b), 0.0) for b, ms in sorted(steps.items())}
+
+    def excess(steps: dict[int, float], w: int) -> dict[int, float]:  # keyed by query tokens
+        return {b * w: x for b, x in by_batch(steps, w).items()}
 
     measured = {"ar": dict(ar_steps)}
     if verify_steps:
         measured[f"verify@{width}"] = dict(verify_steps)
     if lookup_steps:
         measured[f"lookup@{lookup_width}"] = dict(lookup_steps)
+    two = bool(lookup_steps and short_steps and short_width != lookup_width)
+    if two:
+        measured[f"lookup@{short_width}"] = dict(short_steps)
     return StepOverhead(ar_ms=ar, verify_ms=excess(verify_steps, width),
-                        lookup_ms=excess(lookup_steps or {}, lookup_width), measured=measured)
+                        lookup_ms=excess(lookup_steps or {}, lookup_width), measured=measured,
+                        lookup_by_width={lookup_width: by_batch(lookup_steps, lookup_width),
+                                         short_width: by_batch(short_steps, short_width)} if two else {})
 
 
 def _median_width(cands: list[Candidate], kind: str, wanted) -> Candidate | None:
@@ -143,6 +156,15 @@ def middle_width(cands: list[Candidate], kind: str) -> Candidate | None:
     """The calibration's verify candidate: the median width of the mode's own candidates that
     serve `kind` (its steps' cost beyond the forward, not a lookup step's)."""
     return _median_width(cands, kind, lambda c: c.mode not in PLAN_STEP_MODES)
+
+
+def short_lookup(cands: list[Candidate], kind: str) -> Candidate | None:
+    """The lookup step the calibration times at its AR batches: the narrowest one-candidate
+    uncapped lookup that serves `kind` (with `lookup_candidate`'s, a second width: what a lookup
+    step's cost does with its query tokens on the served path)."""
+    usable = [c for c in cands if c.is_lookup and c.options.get("branches", 1) == 1 and not c.options.get("caps")
+              and math.isfinite(c.tokens_per_step.get(kind, math.nan))]
+    return min(usable, key=lambda c: c.width) if usable else None
 
 
 def lookup_candidate(cands: list[Candidate], kind: str) -> Candidate | None:
@@ -167,6 +189,8 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
     # a greedy-only mode's server refuses sampled requests: its sampled batches are AR steps
     served_kinds = {"greedy"} | ({"sampled"} if chosen["sampled"] is not None else set())
     lookups = {kind: lookup_candidate(cands, kind) if kind in served_kinds else None for kind in ("greedy", "sampled")}
+    shorts = {kind: short_lookup(cands, kind) if lookups[kind] is not None else None for kind in lookups}
+    shorts = {kind: c if c is not None and c.width < lookups[kind].width else None for kind, c in shorts.items()}
     work = Path(log_dir or tempfile.mkdtemp(prefix="selfspec-tune-"))
     work.mkdir(parents=True, exist_ok=True)
     kinds = (("greedy", 0.0), ("sampled", temperature))
@@ -181,6 +205,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
 
     ar_one: dict[str, float] = {}  # kind -> AR step ms at batch 1
     lookup_steps: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}  # kind -> batch -> step ms
+    short_steps: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}  # the short lookup's
     with server_threads(threads):
         with serve("calibration-ar", ar_only_plan(), 1) as server:
             _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
@@ -190,11 +215,15 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
                 if progress is not None:
                     progress.update(1)
         if any(lookups.values()):
-            with serve("calibration-lookup", lookup_plan(lookups), max(verify_batches)) as server:
+            # the lookup at the verify batches, the short one at the AR batches
+            plan = calibration_plan(ar_batches, verify_batches, lookups["greedy"], lookups["sampled"], between=shorts)
+            with serve("calibration-lookup", plan, max(ar_batches + verify_batches)) as server:
                 _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
                 for kind, temp in kinds:
                     if lookups[kind] is not None:
                         lookup_steps[kind] = {b: step_ms(server.base_url, prompt, b, temp) for b in verify_batches}
+                    if shorts[kind] is not None:
+                        short_steps[kind] = {b: step_ms(server.base_url, prompt, b, temp) for b in ar_batches}
         out: dict[str, StepOverhead] = {}
         plan = calibration_plan(ar_batches, verify_batches, chosen["greedy"], chosen["sampled"])
         with serve("calibration", plan, max(ar_batches + verify_batches)) as server:
@@ -210,9 +239,10 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
                 verify = {v: step_ms(server.base_url, prompt, v, temp) for v in verify_batches} if cand else {}
                 if progress is not None:
                     progress.update(len(ar_batches))
-                look = lookups[kind]
+                look, short = lookups[kind], shorts[kind]
                 out[kind] = fit_overhead(costs, ar, verify, cand.width if cand is not None else 1,
-                                         lookup_steps[kind], look.width if look is not None else 1)
+                                         lookup_steps[kind], look.width if look is not None else 1,
+                                         short_steps[kind], short.width if short is not None else 1)
     return out
 
 

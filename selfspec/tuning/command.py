@@ -14,8 +14,11 @@ of a wide step) is measured on real servers of the mode running AR and verify st
 batch sizes (`calibrate.py`: three servers, about three minutes per mode), or given with
 `--step-overhead-ms BASE[,PER_REQUEST]` (0 for the offline engine). A candidate is priced by the
 query tokens its steps carry: the real ones where the CPU worker's forwards are ragged (so a
-lookup whose weak matches draft short, `lookup=12c`, costs what it sends), its padded width on a
-CUDA machine.
+lookup whose weak matches draft short, `lookup=12c`, or whose requests' drafts follow their recent
+acceptance, `lookup=12ca`, costs what it sends), its padded width on a CUDA machine. Beside the
+plan it prints what `selfspec bench serve` should read at each level of its batch sizes (32
+requests: the level replayed from each prompt's own acceptance, the batch thinning as requests
+finish, `tuning/level.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from selfspec.errors import UsageError
 
 DEFAULT_PROMPTS = "bench/prompts/heldout.jsonl"
 DEFAULT_OUT = "serving_configs/tuned-{host}-{mode}.yaml"
+#: requests per replayed bench level (`selfspec bench serve`'s default --num-prompts)
+LEVEL_REQUESTS = 32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -105,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.serving import cuda_available
     from selfspec.tuning import acceptance, cost
     from selfspec.tuning.choose import buckets, choose, servable, throughput
+    from selfspec.tuning.level import plan_levels
 
     modes = _modes(args.modes)
     batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
@@ -163,13 +169,17 @@ def run(args: argparse.Namespace) -> int:
                               "costs_measured": raw.to_dict(), "modes": {}}
     print(_cost_text(table))
     for m in modes:
-        plan, lines = {}, []
+        plan, lines, levels = {}, [], {}
         for kind in samplings:
             usable = servable(cands[m], kind, registry.get(m).greedy_only)
             choices = choose(table, usable, kind, batch_sizes[-1], overheads[m][kind])
             plan[kind] = [b.to_dict() for b in buckets(choices)]
             lines += _overhead_text(kind, overheads[m][kind])
             lines += _choice_text(m, kind, cands[m], choices, batch_sizes)
+            ar = next(c for c in cands[m] if c.mode == "ar")
+            levels[kind] = plan_levels(table, [ch.best for ch in choices], ar, kind, batch_sizes,
+                                       LEVEL_REQUESTS, args.max_new_tokens, overheads[m][kind])
+            lines += _level_text(kind, levels[kind], args.max_new_tokens)
         lines += _own_steps_note(m, plan)
         out = Path(args.out.format(host=host, mode=m))
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -178,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out}: serve it with --speculative-algorithm {m.upper()} --selfspec-config {out}")
         ov = overheads[m]
         report["modes"][m] = {"config": str(out), "plan": plan, "candidates": [c.to_dict() for c in cands[m]],
+                              "levels": {kind: {str(c): {"plan_tok_s": p, "ar_tok_s": a} for c, (p, a) in lv.items()}
+                                         for kind, lv in levels.items()},
                               "step_overhead": {kind: ov[kind].to_dict() for kind in samplings},
                               "predicted": {kind: {str(b): {c.label: _finite(throughput(table, c, kind, b, ov[kind]))
                                                             for c in cands[m]} for b in batch_sizes}
@@ -185,6 +197,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _level_text(kind: str, levels: dict[int, tuple[float, float]], tokens: int) -> list[str]:
+    """What `selfspec bench serve` should read: each level replayed (`tuning/level.py`)."""
+    cells = ", ".join(f"C={c} {p:.0f} tok/s ({p / a:.2f}x AR)" for c, (p, a) in levels.items())
+    return [f"  {kind} bench levels replayed ({LEVEL_REQUESTS} requests x {tokens} tokens, requests finishing "
+            f"unevenly, no prefill): {cells}"]
 
 
 def _own_steps_note(mode: str, plan: dict[str, list[dict]]) -> list[str]:
@@ -216,7 +235,11 @@ def _overhead_text(kind: str, ov) -> list[str]:
 
     lines = [f"{kind} step cost beyond the forward: every step {pts(ov.ar_ms, 'batch')}",
              f"  a verify step also {pts(ov.verify_ms, 'query tokens')}"]
-    if ov.lookup_ms:
+    if len(ov.lookup_by_width) >= 2:
+        lines += [f"  a lookup step of {w} query tokens also {pts(ov.lookup_by_width[w], 'batch')}"
+                  for w in sorted(ov.lookup_by_width)]
+        lines.append("  (other widths: linear in the width between and beyond these two, at the step's batch)")
+    elif ov.lookup_ms:
         lines.append(f"  a lookup step also {pts(ov.lookup_ms, 'query tokens')}")
     lines += [f"  served {what} step: {pts(steps, 'batch')}" for what, steps in ov.measured.items()]
     return lines

@@ -69,6 +69,13 @@ class StepOverhead:
     lookup_ms: dict[int, float] = field(default_factory=dict)
     # "ar" / "verify@W" / "lookup@W" -> batch -> step ms
     measured: dict[str, dict[int, float]] = field(default_factory=dict)
+    # lookup steps timed at two widths: width -> batch -> excess ms. Where present it prices a
+    # lookup step by its batch and width (linear in the width between and beyond the two): the
+    # served forward's cost grows more slowly with query tokens than the HF engine's grid says
+    # (a C=16 ragged step of 95 real tokens took 2.2 ms less than one of 136, where the grid
+    # put 5.8 ms between them), so an excess keyed by total tokens alone priced short drafts
+    # too cheap (README "Draft lengths that follow each request").
+    lookup_by_width: dict[int, dict[int, float]] = field(default_factory=dict)
 
     @staticmethod
     def linear(base_ms: float, per_request_ms: float = 0.0) -> StepOverhead:
@@ -79,13 +86,24 @@ class StepOverhead:
         """A step of `batch` requests, `width` query tokens each; `lookup`: a lookup step (priced
         by `lookup_ms` where it was measured, else as any verify step)."""
         out = _curve(self.ar_ms, batch)
-        if width > 1:
+        if width > 1 and lookup and len(self.lookup_by_width) >= 2:
+            widths = sorted(self.lookup_by_width)
+            out += _interp(widths, [_curve(self.lookup_by_width[w], batch) for w in widths], width)
+        elif width > 1:
             out += _curve(self.lookup_ms if lookup and self.lookup_ms else self.verify_ms, batch * width)
         return out
 
     def to_dict(self) -> dict:
         return {"ar_ms": self.ar_ms, "verify_ms": self.verify_ms, "lookup_ms": self.lookup_ms,
-                "measured_step_ms": self.measured}
+                "measured_step_ms": self.measured, "lookup_by_width": self.lookup_by_width}
+
+    @staticmethod
+    def from_dict(d: dict) -> StepOverhead:
+        """The inverse of `to_dict`, from its JSON form too (keys written as strings)."""
+        pts = lambda m: {int(float(k)): float(v) for k, v in (m or {}).items()}  # noqa: E731
+        return StepOverhead(pts(d.get("ar_ms")), pts(d.get("verify_ms")), pts(d.get("lookup_ms")),
+                            {what: pts(m) for what, m in (d.get("measured_step_ms") or {}).items()},
+                            {int(w): pts(m) for w, m in (d.get("lookup_by_width") or {}).items()})
 
 
 def _curve(points: dict[int, float], x: float) -> float:
