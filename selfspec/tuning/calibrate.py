@@ -126,13 +126,8 @@ def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dic
     ar = {b: max(ms - costs.time_ms(b, 1), 0.0) for b, ms in sorted(ar_steps.items())}
     ov = StepOverhead(ar_ms=ar)
 
-    def by_batch(steps: dict[int, float], w: int, floor: bool = True) -> dict[int, float]:
-        # floor: at 0. Without: the served step may cost less than the grid's forward plus the
-        # AR step's excess (the two share the step's scheduling, and the served verify forward
-        # grows more slowly with its first query tokens than the grid's), never less than an AR
-        # step of the batch
-        return {b: max(ms - costs.time_ms(b, w) - ov.ms(b), 0.0 if floor else costs.time_ms(b, 1) - costs.time_ms(b, w))
-                for b, ms in sorted(steps.items())}
+    def by_batch(steps: dict[int, float], w: int) -> dict[int, float]:
+        return {b: max(ms - costs.time_ms(b, w) - ov.ms(b), 0.0) for b, ms in sorted(steps.items())}
 
     def excess(steps: dict[int, float], w: int) -> dict[int, float]:  # keyed by query tokens
         return {b * w: x for b, x in by_batch(steps, w).items()}
@@ -147,9 +142,8 @@ def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dic
         measured[f"lookup@{short_width}"] = dict(short_steps)
     return StepOverhead(ar_ms=ar, verify_ms=excess(verify_steps, width),
                         lookup_ms=excess(lookup_steps or {}, lookup_width), measured=measured,
-                        lookup_by_width={lookup_width: by_batch(lookup_steps, lookup_width, floor=False),
-                                         short_width: by_batch(short_steps, short_width, floor=False)}
-                        if two else {})
+                        lookup_by_width={lookup_width: by_batch(lookup_steps, lookup_width),
+                                         short_width: by_batch(short_steps, short_width)} if two else {})
 
 
 def _median_width(cands: list[Candidate], kind: str, wanted) -> Candidate | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from selfspec.decoding.width_plan import PlanBucket
 from selfspec.tuning.acceptance import Candidate
-from selfspec.tuning.cost import CostTable, StepOverhead, step_ms
+from selfspec.tuning.cost import CostTable, StepOverhead
 
 
 @dataclass
@@ -40,7 +40,9 @@ def throughput(costs: CostTable, cand: Candidate, kind: str, batch: int,
     tps = cand.tokens_per_step.get(kind, float("nan"))
     if not math.isfinite(tps):
         return float("nan")
-    return 1e3 * batch * tps / step_ms(costs, overhead, batch, cand.priced_width(kind), cand.is_lookup)
+    width = cand.priced_width(kind)
+    extra = overhead.ms(batch, width, lookup=cand.is_lookup) if overhead is not None else 0.0
+    return 1e3 * batch * tps / (costs.time_ms(batch, width) + extra)
 
 
 def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: int,

@@ -87,10 +87,8 @@ class StepOverhead:
         by `lookup_ms` where it was measured, else as any verify step)."""
         out = _curve(self.ar_ms, batch)
         if width > 1 and lookup and len(self.lookup_by_width) >= 2:
-            # signed (`calibrate.fit_overhead`); `_interp` and `_curve` floor at 0, so not them
             widths = sorted(self.lookup_by_width)
-            out += _linear(widths, [_linear(sorted(m), [m[b] for b in sorted(m)], batch)
-                                    for m in (self.lookup_by_width[w] for w in widths)], width)
+            out += _interp(widths, [_curve(self.lookup_by_width[w], batch) for w in widths], width)
         elif width > 1:
             out += _curve(self.lookup_ms if lookup and self.lookup_ms else self.verify_ms, batch * width)
         return out
@@ -106,16 +104,6 @@ class StepOverhead:
         return StepOverhead(pts(d.get("ar_ms")), pts(d.get("verify_ms")), pts(d.get("lookup_ms")),
                             {what: pts(m) for what, m in (d.get("measured_step_ms") or {}).items()},
                             {int(w): pts(m) for w, m in (d.get("lookup_by_width") or {}).items()})
-
-
-def step_ms(costs: CostTable, overhead: StepOverhead | None, batch: int, width: float, lookup: bool = False) -> float:
-    """A served step's price: the grid's forward plus the overhead (none: the forward alone),
-    never below an AR step of the batch (a lookup's signed excess, extended past its measured
-    widths, could otherwise price a step under one)."""
-    if overhead is None:
-        return costs.time_ms(batch, width)
-    price = costs.time_ms(batch, width) + overhead.ms(batch, width, lookup=lookup)
-    return max(price, costs.time_ms(batch, 1) + overhead.ms(batch)) if width > 1 else price
 
 
 def _curve(points: dict[int, float], x: float) -> float:
@@ -141,17 +129,12 @@ def _isotonic(ys: list[float]) -> list[float]:
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys), extended along the first / last segment, floored at 0."""
-    return max(0.0, _linear(xs, ys, x))
-
-
-def _linear(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise-linear through (xs, ys), extended along the first / last segment."""
     if len(xs) == 1:
         return ys[0]
     i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 #: Sweeps of the forward-cost grid (`measure`).

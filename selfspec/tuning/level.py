@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from selfspec.tuning.acceptance import Candidate
-from selfspec.tuning.cost import CostTable, StepOverhead, step_ms
+from selfspec.tuning.cost import CostTable, StepOverhead
 
 
 @dataclass
@@ -69,7 +69,9 @@ def replay_level(costs: CostTable, pick: Callable[[int], Candidate], kind: str, 
         if any(not math.isfinite(tps) or tps <= 0 for tps, _ in per.values()):
             raise ValueError(f"candidate {cand.label} has no {kind} acceptance to replay")
         width = (sum(q for _, q in per.values()) / b) if cand.ragged else float(cand.width)
-        elapsed_ms += step_ms(costs, overhead, b, max(1.0, width), cand.is_lookup)
+        width = max(1.0, width)
+        extra = overhead.ms(b, width, lookup=cand.is_lookup) if overhead is not None else 0.0
+        elapsed_ms += costs.time_ms(b, width) + extra
         steps += 1
         batch_sum += b
         for r, (tps, _) in per.items():
