@@ -104,31 +104,26 @@ def _replayed(tune: dict[str, Any], tuned: dict[str, Any], mode: str | None, sam
     from selfspec.tuning.level import replay_level
 
     kind = "sampled" if sampled else "greedy"
-    cands = [Candidate.from_dict(c) for c in tuned["candidates"]]
-    if not all(c.per_request.get(kind) for c in cands if math.isfinite(c.tokens_per_step.get(kind, math.nan))):
+    if not all(c.get("per_request", {}).get(kind) for c in tuned["candidates"]
+               if math.isfinite(c.get("tokens_per_step", {}).get(kind, math.nan))):
         return None
-    by_key = {(c.mode, repr(sorted(c.options.items()))): c for c in cands}
-    picks: dict[int, Candidate | None] = {}
+    picks: dict[int, Candidate] = {}  # one object per batch: the replay caches rates by candidate
 
     def pick(batch: int) -> Candidate:
         if batch not in picks:
-            d = _candidate_at(tuned, mode, sampled, batch)
-            picks[batch] = by_key.get((d["mode"], repr(sorted(d["options"].items())))) if d else None
-        if picks[batch] is None:
-            raise LookupError(batch)
+            found = _candidate_at(tuned, mode, sampled, batch)
+            if found is None:
+                raise LookupError(batch)
+            picks[batch] = Candidate.from_dict(found)
         return picks[batch]
 
     overhead = (tuned.get("step_overhead") or {}).get(kind)
     try:
-        return replay_level(CostTable(**tune["costs"]), pick, kind, lv_int(level, "concurrency"),
-                            lv_int(level, "requests"), tokens,
+        return replay_level(CostTable(**tune["costs"]), pick, kind, level["concurrency"],
+                            level.get("requests") or level["concurrency"], tokens,
                             StepOverhead.from_dict(overhead) if overhead else None).tok_s
     except (LookupError, ValueError):
         return None
-
-
-def lv_int(level: dict[str, Any], key: str) -> int:
-    return int(level.get(key) or level["concurrency"])
 
 
 def served_tokens_per_step(level: dict[str, Any]) -> float | None:
@@ -177,8 +172,8 @@ def attach(report: dict[str, Any], tune: dict[str, Any]) -> None:
             cand = _candidate_at(tuned, mode, sampled, batch) or {"mode": None, "options": {}, "tokens_per_step": {}}
             steady = (tuned["predicted"].get(kind) or {}).get(str(batch), {}).get(
                 Candidate(cand["mode"], cand["options"]).label)
-            replayed = _replayed(tune, tuned, mode, sampled, lv, int(report.get("max_tokens") or 0)) \
-                if report.get("max_tokens") else None
+            replayed = (_replayed(tune, tuned, mode, sampled, lv, report["max_tokens"])
+                        if report.get("max_tokens") else None)
             pred = replayed if replayed is not None else steady
             measured = lv["output_tok_s"]
             lv["predicted_tok_s"] = pred
