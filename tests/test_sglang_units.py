@@ -57,29 +57,53 @@ def test_verify_attention_matches_naive_reference(full):
 
 
 def test_ragged_verify_attention_equals_the_padded_one_on_real_rows():
-    """A ragged verify forward carries each request's real tokens only; the attention pads them
-    into the [bs, W] query block and takes them back: the real rows' outputs are the padded
-    forward's, bit for bit, and the logits come back padded with zero rows."""
-    from selfspec.sglang_ext.attention import RaggedVerify, plan_verify, verify_attention
+    """A ragged verify forward carries each request's real tokens only; the attention runs each
+    group of requests of similar width padded to its own widest, and the real rows' outputs are
+    the padded forward's; the logits come back padded with zero rows (into reused memory too)."""
+    from selfspec.sglang_ext.attention import PadBuffer, RaggedVerify, plan_verify, verify_attention
     from selfspec.sglang_ext.worker import build_custom_mask
 
     torch.manual_seed(1)
-    hq, hk, d, W = 4, 2, 8, 4
-    L, widths = [5, 2, 7], [4, 1, 3]
-    k_cache, v_cache = torch.randn(64, hk, d), torch.randn(64, hk, d)
-    req_to_token = torch.arange(4 * 16, dtype=torch.int32).view(4, 16)
-    local = torch.ones(3, W, W, dtype=torch.bool).tril()
-    plan = plan_verify(req_to_token, torch.tensor([1, 2, 3]), L, W, build_custom_mask(local, L, False))
-    q = torch.randn(3 * W, hq, d)
-    padded = verify_attention(q, k_cache, v_cache, plan, 0.5, torch.empty_like(q))
+    hq, hk, d, W = 4, 2, 8, 9
+    L = [5, 2, 7, 3, 4, 6, 1, 8]
+    widths = [9, 1, 3, 2, 9, 3, 1, 2]
+    bs = len(L)
+    k_cache, v_cache = torch.randn(bs * 20, hk, d), torch.randn(bs * 20, hk, d)
+    req_to_token = torch.arange(bs * 20, dtype=torch.int32).view(bs, 20)
+    local = torch.ones(bs, W, W, dtype=torch.bool).tril()
+    mask = build_custom_mask(local, L, False)
+    q = torch.randn(bs * W, hq, d)
+    padded = verify_attention(q, k_cache, v_cache, plan_verify(req_to_token, torch.arange(bs), L, W, mask), 0.5,
+                              torch.empty_like(q))
     ragged = RaggedVerify.of(widths, W, "cpu")
-    assert ragged.rows.tolist() == [0, 1, 2, 3, 4, 8, 9, 10]
-    real = ragged.take(q)
-    out = verify_attention(ragged.pad(real), k_cache, v_cache, plan, 0.5, torch.empty_like(q))
-    assert torch.equal(ragged.take(out), ragged.take(padded))
-    logits = ragged.pad(torch.randn(len(real), 11))
-    assert logits.shape == (3 * W, 11) and not logits[[5, 6, 7, 11]].any()
-    assert RaggedVerify.of([W, W, W], W, "cpu") is None  # full rows: the padded forward as it was
+    assert ragged.rows.tolist()[:11] == list(range(9)) + [9, 18]
+    plan = plan_verify(req_to_token, torch.arange(bs), L, W, mask, ragged.widths)
+    assert [p.width for p in plan.parts] == [3, 9]  # the narrow requests in one call, not padded to 9
+    assert sorted(r for p in plan.parts for r in p.requests.tolist()) == list(range(bs))
+    out = verify_attention(ragged.pad(ragged.take(q)), k_cache, v_cache, plan, 0.5, torch.zeros_like(q))
+    torch.testing.assert_close(ragged.take(out), ragged.take(padded), rtol=1e-6, atol=1e-6)
+    buffer = PadBuffer()
+    for rows in (11, 5):  # reused memory: the second step's padding rows are zero again
+        real = torch.randn(len(ragged.rows), rows)
+        logits = ragged.pad(real, buffer)
+        assert logits.shape == (bs * W, rows) and not logits[9 + 1:18].any()  # request 1's padding
+        assert torch.equal(ragged.take(logits), real)
+    assert RaggedVerify.of([W] * bs, W, "cpu") is None  # full rows: the padded forward as it was
+
+
+def test_width_groups_pad_each_group_to_its_widest_and_stop_where_a_call_costs_more():
+    from selfspec.sglang_ext.attention import GROUP_COST_ROWS, width_groups
+
+    assert width_groups([5, 5, 5]) == [([0, 1, 2], 5)]
+    # 28 requests drafting 4, 4 drafting 12: two calls (28*4 + 4*12) instead of 32*12 rows
+    widths = [12 if r % 8 == 0 else 4 for r in range(32)]
+    assert width_groups(widths) == [([r for r in range(32) if r % 8], 4), ([0, 8, 16, 24], 12)]
+    # a narrower group that saves fewer rows than a call costs is not split off
+    assert width_groups([3, 2]) == [([0, 1], 3)]
+    assert GROUP_COST_ROWS > 1
+    groups = width_groups([1, 2, 3, 5, 8, 13, 13, 13] * 4, max_groups=3)
+    assert len(groups) <= 3 and sorted(r for g, _ in groups for r in g) == list(range(32))
+    assert all(max([1, 2, 3, 5, 8, 13, 13, 13][r % 8] for r in g) == w for g, w in groups)
 
 
 def test_full_mask_layout_matches_sglang_ngram_layout():
@@ -373,5 +397,6 @@ def test_verify_plan_is_built_once_per_forward_and_never_reused_across_forwards(
     assert attention._forward_plan(fb, req_to_token, 3) is first  # every later layer of the forward
     nxt = forward_batch([5, 7])  # the next step: new lengths, new spec
     plan = attention._forward_plan(nxt, req_to_token, 3)
-    assert plan is not first and plan.slots.shape == (2, 7 + 3)
-    assert torch.equal(plan.slots[1, :10], req_to_token[1, :10].long())
+    (part,) = plan.parts
+    assert plan is not first and plan.kv_max == 7 + 3 and part.slots.shape == (2 * (7 + 3),)
+    assert torch.equal(part.slots.view(2, 10)[1], req_to_token[1, :10].long())

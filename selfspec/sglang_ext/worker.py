@@ -53,7 +53,7 @@ from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, coll
 from selfspec.engines.kernel_choice import ragged_verify_enabled, verify_ops
 from selfspec.kernels.lora_gate import gated
 from selfspec.sglang_ext import config as cfgmod
-from selfspec.sglang_ext.attention import RaggedVerify
+from selfspec.sglang_ext.attention import PadBuffer, RaggedVerify
 from selfspec.sglang_ext import lora as loramod
 from selfspec.sglang_ext.grammar import request_constraint
 from selfspec.sglang_ext.logprobs import write_decode_logprobs, write_prefill_logprobs
@@ -170,6 +170,7 @@ class SelfSpecWorker(BaseSpecWorker):
         self._fixed_forward_width = torch.device(self.device).type == "cuda"
         # ragged verify forwards need the verify attention of `sglang_ext.attention` (CPU)
         self._ragged_verify = torch.device(self.device).type == "cpu" and ragged_verify_enabled()
+        self._padded_logits = PadBuffer()
         self.mode = cfgmod.build_mode(self.cfg, padded=not self._ragged_verify)
         self.width = int(get_spec().speculative_num_draft_tokens)
         if self.width < self.cfg.width:
@@ -340,7 +341,8 @@ class SelfSpecWorker(BaseSpecWorker):
             with gated(self.gate, gate):
                 result = self._target_worker.forward_batch_generation(batch, is_verify=True)
             if ragged is not None:
-                result.logits_output.next_token_logits = ragged.pad(result.logits_output.next_token_logits)
+                result.logits_output.next_token_logits = ragged.pad(result.logits_output.next_token_logits,
+                                                                     self._padded_logits)
         logits = apply_logits_rules(result.logits_output.next_token_logits.view(bs, W, -1), seqs, step)
         logits = _custom_processors(batch, logits.reshape(bs * W, -1), W).view(bs, W, -1)
         t2 = time.perf_counter()
