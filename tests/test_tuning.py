@@ -92,7 +92,7 @@ def test_every_modes_plan_may_run_lookup_steps_where_its_own_are_too_wide():
     for mode in ("isd", "risd", "sjd", "jacobi"):
         assert {c.label for c in candidates_for(mode) if c.mode == "ngram"} == {
             "lookup=4", "lookup=8", "lookup=12", "lookup=16", "lookup=8x2", "lookup=12x2", "lookup=12c", "lookup=16c",
-            "lookup=12ca", "lookup=16ca"}
+            "lookup=8ca", "lookup=12ca", "lookup=16ca"}
     lookup = next(c for c in candidates_for("jacobi") if c.label == "lookup=4")
     cands = [CANDIDATES[0], Candidate("jacobi", {"block_size": 4, "context_tokens": 8}, 12, {"greedy": 3.2}),
              Candidate(lookup.mode, lookup.options, 5, {"greedy": 1.8})]
@@ -389,6 +389,10 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     verify_model = costs.time_ms(1, 5) + greedy.ms(1, width=5)
     assert verify_model == pytest.approx(max(greedy.measured["verify@5"][1], costs.time_ms(1, 5) + greedy.ms(1)))
     assert sampled.ar_ms == greedy.ar_ms and not sampled.verify_ms  # greedy-only: sampled batches run AR
+    # a request's own cost (prefill of 40 tokens, HTTP): more than a step, less than the short run
+    assert greedy.measured["ar"][1] < greedy.request_ms < calibrate.SHORT * greedy.measured["ar"][1]
+    assert sampled.request_ms == greedy.request_ms
+    assert StepOverhead.from_dict(json.loads(json.dumps(greedy.to_dict()))) == greedy
     plan = (tmp_path / "calibration.yaml").read_text()
     assert "online: false" in plan and "block_size: 4" in plan
     ar_plan = (tmp_path / "calibration-ar.yaml").read_text()
@@ -441,5 +445,10 @@ def test_a_level_replay_thins_the_batch_as_requests_finish():
                        {"greedy": [[100, 100, 300]]})
     linear = table(lambda b, w: float(b * w))
     assert replay_level(linear, lambda b: ragged, "greedy", 4, 4, 100).tok_s == pytest.approx(1e3 * 4 / 12)
+    # each request's prefill and handling is paid once, at every concurrency: 4 requests of
+    # 10 ms on top of 100 steps of 12 ms
+    per_request = StepOverhead(request_ms=10.0)
+    assert replay_level(linear, lambda b: ragged, "greedy", 4, 4, 100, per_request).tok_s == pytest.approx(
+        1e3 * 400 / (100 * 12 + 4 * 10))
     with pytest.raises(ValueError, match="concurrency"):
         replay_level(flat, lambda b: ar, "greedy", 0, 1, 1)

@@ -54,7 +54,8 @@ LOOKUP_GRID: list[dict[str, Any]] = [
      **({"caps": True} if caps else {}), **({"adaptive": True} if adaptive else {})}
     for k, b, caps, adaptive in ((4, 1, False, False), (8, 1, False, False), (12, 1, False, False),
                                  (16, 1, False, False), (8, 2, False, False), (12, 2, False, False),
-                                 (12, 1, True, False), (16, 1, True, False), (12, 1, True, True), (16, 1, True, True))]
+                                 (12, 1, True, False), (16, 1, True, False), (8, 1, True, True), (12, 1, True, True),
+                                 (16, 1, True, True))]
 
 
 @dataclass

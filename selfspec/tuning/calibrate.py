@@ -16,7 +16,8 @@ The AR step at batch 1 is timed on a second server of the mode whose plan is AR 
 (one plan maps a batch size to one bucket, and the first plan's batch 1 is the verify
 candidate's): extrapolated from batch 2, it was priced 9.9 ms where the served step took 8.1,
 which made every predicted speed-up at C=1 too high (README "Predicted speed-ups and the narrower
-of near-ties"). A third server runs a lookup step (`lookup_candidate`) at every batch, timed
+of near-ties"). With it, what a request costs besides its decode steps (prefill, HTTP,
+detokenizing: the short run's wall time less its steps, `cost.StepOverhead.request_ms`). A third server runs a lookup step (`lookup_candidate`) at every batch, timed
 at the verify batches: a lookup step is priced by its own excess (`cost.StepOverhead.lookup_ms`),
 not by the mode's own step's (RISD's carries its adapter). Timed at batch 2 and above and
 extrapolated down, its batch-1 excess came out ~0 ms where served it was ~2.5 ms. The same
@@ -105,14 +106,22 @@ def _run(base_url: str, prompt: list[int], batch: int, tokens: int, temperature:
         return time.perf_counter() - t0, max(forwards)
 
 
-def step_ms(base_url: str, prompt: list[int], batch: int, temperature: float) -> float:
-    """One decode step of `batch` requests, from a long and a short run's difference."""
-    def once() -> float:
+def step_and_request_ms(base_url: str, prompt: list[int], batch: int, temperature: float) -> tuple[float, float]:
+    """One decode step of `batch` requests, from a long and a short run's difference, and what
+    the short run took besides its decode steps (its prefill, HTTP and detokenizing)."""
+    def once() -> tuple[float, float]:
         wall_s, fw_s = _run(base_url, prompt, batch, SHORT, temperature)
         wall_l, fw_l = _run(base_url, prompt, batch, LONG, temperature)
-        return 1e3 * max(wall_l - wall_s, 0.0) / max(fw_l - fw_s, 1)
+        step = 1e3 * max(wall_l - wall_s, 0.0) / max(fw_l - fw_s, 1)
+        return step, max(1e3 * wall_s - step * (fw_s - 1), 0.0)  # fw_s - 1 decode steps: the prefill's first
 
-    return statistics.median(once() for _ in range(SMALL_BATCH_REPEATS if batch <= 2 else 1))
+    runs = [once() for _ in range(SMALL_BATCH_REPEATS if batch <= 2 else 1)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def step_ms(base_url: str, prompt: list[int], batch: int, temperature: float) -> float:
+    """One decode step of `batch` requests (`step_and_request_ms`)."""
+    return step_and_request_ms(base_url, prompt, batch, temperature)[0]
 
 
 def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dict[int, float],
@@ -204,6 +213,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
                              startup_timeout=900)
 
     ar_one: dict[str, float] = {}  # kind -> AR step ms at batch 1
+    request_ms: dict[str, float] = {}  # kind -> a batch-1 request's time besides its decode steps
     lookup_steps: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}  # kind -> batch -> step ms
     short_steps: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}  # the short lookup's
     with server_threads(threads):
@@ -211,7 +221,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
             _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
             for kind, temp in kinds:
                 if kind in served_kinds:  # a greedy-only mode's sampled rows: greedy's
-                    ar_one[kind] = step_ms(server.base_url, prompt, 1, temp)
+                    ar_one[kind], request_ms[kind] = step_and_request_ms(server.base_url, prompt, 1, temp)
                 if progress is not None:
                     progress.update(1)
         if any(lookups.values()):
@@ -231,7 +241,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
             for kind, temp in kinds:
                 cand = chosen[kind]
                 if cand is None and kind == "sampled":  # a greedy-only mode: its sampled batches run AR steps
-                    out[kind] = StepOverhead(ar_ms=dict(out["greedy"].ar_ms))
+                    out[kind] = StepOverhead(ar_ms=dict(out["greedy"].ar_ms), request_ms=out["greedy"].request_ms)
                     if progress is not None:
                         progress.update(len(ar_batches))
                     continue
@@ -243,6 +253,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
                 out[kind] = fit_overhead(costs, ar, verify, cand.width if cand is not None else 1,
                                          lookup_steps[kind], look.width if look is not None else 1,
                                          short_steps[kind], short.width if short is not None else 1)
+                out[kind].request_ms = request_ms[kind]
     return out
 
 

@@ -242,6 +242,8 @@ def _overhead_text(kind: str, ov) -> list[str]:
     elif ov.lookup_ms:
         lines.append(f"  a lookup step also {pts(ov.lookup_ms, 'query tokens')}")
     lines += [f"  served {what} step: {pts(steps, 'batch')}" for what, steps in ov.measured.items()]
+    if ov.request_ms:
+        lines.append(f"  a request besides its steps (prefill, HTTP): {ov.request_ms:.1f} ms")
     return lines
 
 

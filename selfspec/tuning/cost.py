@@ -76,6 +76,11 @@ class StepOverhead:
     # put 5.8 ms between them), so an excess keyed by total tokens alone priced short drafts
     # too cheap (README "Draft lengths that follow each request").
     lookup_by_width: dict[int, dict[int, float]] = field(default_factory=dict)
+    # what a request costs besides its decode steps (prefill, HTTP, detokenizing), batch-1 AR
+    # server: paid once per request of a bench level. Left out, a fast plan's predicted speed-up
+    # read high by the share it takes of its shorter request time (~5% of a 128-token ISD
+    # request at C=1 here)
+    request_ms: float = 0.0
 
     @staticmethod
     def linear(base_ms: float, per_request_ms: float = 0.0) -> StepOverhead:
@@ -95,7 +100,8 @@ class StepOverhead:
 
     def to_dict(self) -> dict:
         return {"ar_ms": self.ar_ms, "verify_ms": self.verify_ms, "lookup_ms": self.lookup_ms,
-                "measured_step_ms": self.measured, "lookup_by_width": self.lookup_by_width}
+                "measured_step_ms": self.measured, "lookup_by_width": self.lookup_by_width,
+                "request_ms": self.request_ms}
 
     @staticmethod
     def from_dict(d: dict) -> StepOverhead:
@@ -103,7 +109,8 @@ class StepOverhead:
         pts = lambda m: {int(float(k)): float(v) for k, v in (m or {}).items()}  # noqa: E731
         return StepOverhead(pts(d.get("ar_ms")), pts(d.get("verify_ms")), pts(d.get("lookup_ms")),
                             {what: pts(m) for what, m in (d.get("measured_step_ms") or {}).items()},
-                            {int(w): pts(m) for w, m in (d.get("lookup_by_width") or {}).items()})
+                            {int(w): pts(m) for w, m in (d.get("lookup_by_width") or {}).items()},
+                            float(d.get("request_ms") or 0.0))
 
 
 def _curve(points: dict[int, float], x: float) -> float:

@@ -13,9 +13,10 @@ requests in flight run the plan's candidate for b; each advances by its own prom
 step under that candidate (committed / steps of its acceptance run, `Candidate.per_request`); the
 step costs the forward of b requests at their mean query tokens per step (the padded width where
 the forward is not ragged) plus the step overhead (`cost.StepOverhead`). Output tok/s = all
-tokens over the steps' summed time. Prefill is not priced (it is the same for every plan of a
-level, a few percent of a 128-token request's time on this CPU), so the replay reads high by that
-for every row alike, and the speed-up over AR, which cancels it, is what to compare.
+tokens over the steps' summed time plus each request's own cost besides its steps
+(`StepOverhead.request_ms`: prefill and request handling, paid in full even at C > 1: SGLang's
+prefill batches pause the decode batch). It is the same for every plan of a level, but a larger
+share of a faster plan's time: left out, the predicted speed-ups read high by it.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def replay_level(costs: CostTable, pick: Callable[[int], Candidate], kind: str, 
         for r, (tps, _) in per.items():
             left[r] -= tps
         left = {r: n for r, n in left.items() if n > 1e-9}
+    if overhead is not None:
+        elapsed_ms += requests * overhead.request_ms
     return LevelReplay(1e3 * requests * tokens / elapsed_ms, steps, batch_sum / steps)
 
 
