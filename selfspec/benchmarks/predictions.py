@@ -7,8 +7,8 @@ at each concurrency level, the level replayed (`tuning/level.py`: its requests, 
 each advancing by its own acceptance, the batch thinning as they finish, each step running the
 plan's bucket for its batch); the AR row gets AR steps replayed alike. A tune without per-prompt
 records predicts the steady batch of the bucket the plan runs at min(C, requests) instead (also
-kept as `predicted_steady_tok_s`). The replay leaves prefill out, for every row alike, and
-`step_error` compares the step times alone.
+kept as `predicted_steady_tok_s`). The replay adds each request's prefill and handling where the
+tune measured it (`StepOverhead.request_ms`), and `step_error` compares the step times alone.
 
 Absolute tok/s also move with the machine: this shared VM served plain AR at C=1 anywhere from
 95 to 148 tok/s within one session, so a tune made an hour before a bench predicts every row,

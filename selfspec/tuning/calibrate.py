@@ -17,8 +17,8 @@ The AR step at batch 1 is timed on a second server of the mode whose plan is AR 
 candidate's): extrapolated from batch 2, it was priced 9.9 ms where the served step took 8.1,
 which made every predicted speed-up at C=1 too high (README "Predicted speed-ups and the narrower
 of near-ties"). With it, what a request costs besides its decode steps (prefill, HTTP,
-detokenizing: the short run's wall time less its steps, `cost.StepOverhead.request_ms`). A third server runs a lookup step (`lookup_candidate`) at every batch, timed
-at the verify batches: a lookup step is priced by its own excess (`cost.StepOverhead.lookup_ms`),
+detokenizing: a request for one token, `request_ms`, `cost.StepOverhead.request_ms`). A third
+server runs a lookup step (`lookup_candidate`) at every batch, timed at the verify batches: a lookup step is priced by its own excess (`cost.StepOverhead.lookup_ms`),
 not by the mode's own step's (RISD's carries its adapter). Timed at batch 2 and above and
 extrapolated down, its batch-1 excess came out ~0 ms where served it was ~2.5 ms. The same
 server runs a short lookup (`short_lookup`, the 4-token one) at the AR batches, timed there
@@ -30,6 +30,7 @@ slowly with query tokens than the HF grid's).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -46,6 +47,7 @@ from selfspec.tuning.cost import CostTable, StepOverhead
 SHORT, LONG = 16, 144
 SEED = 1234  # sampled calibration requests share it: identical rows, one batch throughout
 SMALL_BATCH_REPEATS = 3  # small-batch steps are a few ms: the median of a few timings
+REQUEST_REPEATS = 5
 
 
 def calibration_batches(batch_sizes: list[int]) -> tuple[list[int], list[int]]:
@@ -106,22 +108,31 @@ def _run(base_url: str, prompt: list[int], batch: int, tokens: int, temperature:
         return time.perf_counter() - t0, max(forwards)
 
 
-def step_and_request_ms(base_url: str, prompt: list[int], batch: int, temperature: float) -> tuple[float, float]:
-    """One decode step of `batch` requests, from a long and a short run's difference, and what
-    the short run took besides its decode steps (its prefill, HTTP and detokenizing)."""
-    def once() -> tuple[float, float]:
+def step_ms(base_url: str, prompt: list[int], batch: int, temperature: float) -> float:
+    """One decode step of `batch` requests, from a long and a short run's difference."""
+    def once() -> float:
         wall_s, fw_s = _run(base_url, prompt, batch, SHORT, temperature)
         wall_l, fw_l = _run(base_url, prompt, batch, LONG, temperature)
-        step = 1e3 * max(wall_l - wall_s, 0.0) / max(fw_l - fw_s, 1)
-        return step, max(1e3 * wall_s - step * (fw_s - 1), 0.0)  # fw_s - 1 decode steps: the prefill's first
+        return 1e3 * max(wall_l - wall_s, 0.0) / max(fw_l - fw_s, 1)
 
-    runs = [once() for _ in range(SMALL_BATCH_REPEATS if batch <= 2 else 1)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    return statistics.median(once() for _ in range(SMALL_BATCH_REPEATS if batch <= 2 else 1))
 
 
-def step_ms(base_url: str, prompt: list[int], batch: int, temperature: float) -> float:
-    """One decode step of `batch` requests (`step_and_request_ms`)."""
-    return step_and_request_ms(base_url, prompt, batch, temperature)[0]
+_rotations = itertools.count(1)
+
+
+def request_ms(base_url: str, prompt: list[int], temperature: float) -> float:
+    """What a request costs besides its decode steps: one that asks for a single token (its
+    prefill, HTTP, detokenizing), median of `REQUEST_REPEATS`. Each sends the prompt rotated
+    anew, so the radix cache holds none of it, as none of a bench request's (a run's wall time
+    less its steps was the first estimate: 0-49 ms for the same server, the steps' noise times 15)."""
+    def once() -> float:
+        k = next(_rotations) % len(prompt)
+        t0 = time.perf_counter()
+        _generate(base_url, prompt[k:] + prompt[:k], 1, temperature)
+        return 1e3 * (time.perf_counter() - t0)
+
+    return statistics.median(once() for _ in range(REQUEST_REPEATS))
 
 
 def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dict[int, float],
@@ -213,7 +224,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
                              startup_timeout=900)
 
     ar_one: dict[str, float] = {}  # kind -> AR step ms at batch 1
-    request_ms: dict[str, float] = {}  # kind -> a batch-1 request's time besides its decode steps
+    request_costs: dict[str, float] = {}  # kind -> a request's time besides its decode steps
     lookup_steps: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}  # kind -> batch -> step ms
     short_steps: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}  # the short lookup's
     with server_threads(threads):
@@ -221,7 +232,8 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
             _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
             for kind, temp in kinds:
                 if kind in served_kinds:  # a greedy-only mode's sampled rows: greedy's
-                    ar_one[kind], request_ms[kind] = step_and_request_ms(server.base_url, prompt, 1, temp)
+                    ar_one[kind] = step_ms(server.base_url, prompt, 1, temp)
+                    request_costs[kind] = request_ms(server.base_url, prompt, temp)
                 if progress is not None:
                     progress.update(1)
         if any(lookups.values()):
@@ -253,7 +265,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
                 out[kind] = fit_overhead(costs, ar, verify, cand.width if cand is not None else 1,
                                          lookup_steps[kind], look.width if look is not None else 1,
                                          short_steps[kind], short.width if short is not None else 1)
-                out[kind].request_ms = request_ms[kind]
+                out[kind].request_ms = request_costs[kind]
     return out
 
 

@@ -203,7 +203,7 @@ def _level_text(kind: str, levels: dict[int, tuple[float, float]], tokens: int) 
     """What `selfspec bench serve` should read: each level replayed (`tuning/level.py`)."""
     cells = ", ".join(f"C={c} {p:.0f} tok/s ({p / a:.2f}x AR)" for c, (p, a) in levels.items())
     return [f"  {kind} bench levels replayed ({LEVEL_REQUESTS} requests x {tokens} tokens, requests finishing "
-            f"unevenly, no prefill): {cells}"]
+            f"unevenly, each request's prefill and handling once): {cells}"]
 
 
 def _own_steps_note(mode: str, plan: dict[str, list[dict]]) -> list[str]:
