@@ -192,6 +192,15 @@ def test_a_tune_with_per_prompt_acceptance_predicts_the_level_replayed(tmp_path)
     assert isd_lv["predicted_tok_s"] == pytest.approx(200.0) and isd_lv["predicted_steady_tok_s"] == 364.0
     assert isd_lv["prediction_error"] == pytest.approx(200.0 / 180.0 - 1)
     assert isd_lv["predicted_speedup"] == pytest.approx(1.0)
+    # a mode whose calibration priced every step 10 ms dearer: its speed-up is over AR steps
+    # priced alike (its own AR replay, 100 tok/s), not over the first mode's AR (200 tok/s)
+    tune["modes"]["sjd"] = dict(tune["modes"]["isd"], step_overhead={"greedy": {"ar_ms": {"1": 10.0}}})
+    path.write_text(json.dumps(tune))
+    report["results"].append({"mode": "sjd", "status": "ok", "selfspec_plan": plan, "levels": [dict(level)]})
+    predictions.attach(report, predictions.load(path))
+    sjd_lv = report["results"][2]["levels"][0]
+    assert sjd_lv["predicted_tok_s"] == pytest.approx(100.0) and sjd_lv["predicted_ar_tok_s"] == pytest.approx(100.0)
+    assert sjd_lv["predicted_speedup"] == pytest.approx(1.0)
     del report["max_tokens"]  # an older report: the steady prediction
     predictions.attach(report, predictions.load(path))
     assert report["results"][1]["levels"][0]["predicted_tok_s"] == 364.0

@@ -18,7 +18,7 @@ lookup whose weak matches draft short, `lookup=12c`, or whose requests' drafts f
 acceptance, `lookup=12ca`, costs what it sends), its padded width on a CUDA machine. Beside the
 plan it prints what `selfspec bench serve` should read at each level of its batch sizes (32
 requests: the level replayed from each prompt's own acceptance, the batch thinning as requests
-finish, `tuning/level.py`).
+finish, each request's prefill and handling paid once, `tuning/level.py`).
 """
 
 from __future__ import annotations
