@@ -30,6 +30,7 @@ class RaggedVerify:
     padded to its own widest request rather than to W."""
 
     rows: torch.Tensor  # [sum(widths)] row of each real token in the padded [bs * W] block
+    padding: torch.Tensor  # the other rows
     padded_rows: int  # bs * W
     widths: list[int]
 
@@ -38,8 +39,9 @@ class RaggedVerify:
         """None when every request fills the width (nothing to leave out)."""
         if min(widths) >= width:
             return None
-        real = torch.arange(width) < torch.tensor(widths).unsqueeze(1)  # [bs, W]
-        return cls(real.flatten().nonzero().squeeze(1).to(device), len(widths) * width, list(widths))
+        real = (torch.arange(width) < torch.tensor(widths).unsqueeze(1)).flatten()  # [bs * W]
+        return cls(real.nonzero().squeeze(1).to(device), (~real).nonzero().squeeze(1).to(device),
+                   len(widths) * width, list(widths))
 
     def take(self, padded: torch.Tensor) -> torch.Tensor:
         """The real rows of a per-token tensor of the padded block."""
@@ -52,11 +54,9 @@ class RaggedVerify:
         shape = (self.padded_rows, *real.shape[1:])
         if buffer is None:
             out = real.new_zeros(shape)
-        else:
-            out = buffer.view(shape, real.dtype, real.device)
-            out.zero_()
-        out[self.rows] = real
-        return out
+        else:  # only the padding rows need zeros: the real ones are overwritten
+            out = buffer.view(shape, real.dtype, real.device).index_fill_(0, self.padding, 0)
+        return out.index_copy_(0, self.rows, real)
 
 
 class PadBuffer:
