@@ -659,8 +659,8 @@ def format_table(report: dict) -> str:
                  "the sum of the requests' latencies; NL xAR: NL req tok/s over AR's at the same C")
     if with_pred:
         lines.append("pred: the tuner's predicted tok/s of the level (replayed from per-prompt acceptance where the "
-                     "tune kept it, else a steady batch of min(C, requests)); pred err: predicted / measured - 1; step err: measured step (TPOT p50 x "
-                     "tokens per step served) / predicted step - 1, the cost model alone; pred xAR: predicted "
+                     "tune kept it, else a steady batch of min(C, requests)); pred err: predicted / measured - 1; "
+                     "step err: measured step (TPOT p50 x tokens per step served) / predicted step - 1, the cost model alone; pred xAR: predicted "
                      "over AR's predicted, xAR err: that over the measured xAR - 1 (the machine's drift since the "
                      "tune cancels)")
     for r in report["results"]:

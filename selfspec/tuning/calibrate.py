@@ -18,8 +18,8 @@ candidate's): extrapolated from batch 2, it was priced 9.9 ms where the served s
 which made every predicted speed-up at C=1 too high (README "Predicted speed-ups and the narrower
 of near-ties"). With it, what a request costs besides its decode steps (prefill, HTTP,
 detokenizing: a request for one token, `request_ms`, `cost.StepOverhead.request_ms`). A third
-server runs a lookup step (`lookup_candidate`) at every batch, timed at the verify batches: a lookup step is priced by its own excess (`cost.StepOverhead.lookup_ms`),
-not by the mode's own step's (RISD's carries its adapter). Timed at batch 2 and above and
+server runs a lookup step (`lookup_candidate`) at every batch, timed at the verify batches: a
+lookup step is priced by its own excess (`cost.StepOverhead.lookup_ms`), not by the mode's own step's (RISD's carries its adapter). Timed at batch 2 and above and
 extrapolated down, its batch-1 excess came out ~0 ms where served it was ~2.5 ms. The same
 server runs a short lookup (`short_lookup`, the 4-token one) at the AR batches, timed there
 too: with two widths a lookup step is priced by its batch and its width
