@@ -61,11 +61,12 @@ def test_planned_greedy_equals_ar_burst(server, heldout_ids, ar_reference):
     check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=True)
     assert WIDTHS <= _widths_logged(server), _widths_logged(server)
     assert wait_tokens_zero(server.base_url) == 0
-    # the AR bucket's one-token steps ran as SGLang's own decode forward
+    # the AR bucket's one-token steps ran, on the ragged verify path (this CPU's default), not
+    # SGLang's decode forward: a batch-16 AR step costs ~20% less there
     from sglang_fixtures import internal_state
 
     state = internal_state(server.base_url)["selfspec"]
-    assert state["plain_decode_steps"] > 0
+    assert state["ar_steps"] > 0 and state["ar_steps_as_decode"] == 0, state
     # the online check measured the planned buckets against plain AR steps while serving
     checked = state["online_check"]
     assert any(c["plan_rate"] > 0 and c["ar_rate"] > 0 for c in checked.values()), checked

@@ -69,7 +69,8 @@ class AggregateStats:
         self.window_time = 0.0
         self.window_width = 0  # sum of the steps' forward widths (a width plan varies it)
         self.last_step_width = 0
-        self.plain_decode_steps = 0  # one-token steps run as SGLang's own decode forward
+        self.ar_steps = 0  # one-token steps (an AR bucket's, the online check's AR arm)
+        self.ar_steps_as_decode = 0  # those run as SGLang's own decode forward (padded verify only)
         self._gauges = None
         self._last_log = time.monotonic()
 
@@ -100,7 +101,8 @@ class AggregateStats:
         out["requests"] = self.num_finished
         out["mode"] = self.algorithm
         out["last_step_width"] = self.last_step_width
-        out["plain_decode_steps"] = self.plain_decode_steps
+        out["ar_steps"] = self.ar_steps
+        out["ar_steps_as_decode"] = self.ar_steps_as_decode
         return out
 
     def flush(self) -> None:

@@ -171,6 +171,10 @@ class SelfSpecWorker(BaseSpecWorker):
         # ragged verify forwards need the verify attention of `sglang_ext.attention` (CPU)
         self._ragged_verify = torch.device(self.device).type == "cpu" and ragged_verify_enabled()
         self._padded_logits = PadBuffer()
+        # one-token steps as SGLang's decode forward: on a CPU the verify path runs them faster
+        # (`sglang_ext.attention`: one batched SDPA against torch_native's decode loop over
+        # requests, README "AR steps on the verify path"); elsewhere the decode path (and its graphs)
+        self._ar_as_decode = torch.device(self.device).type != "cpu"
         self.mode = cfgmod.build_mode(self.cfg, padded=not self._ragged_verify)
         self.width = int(get_spec().speculative_num_draft_tokens)
         if self.width < self.cfg.width:
@@ -320,9 +324,11 @@ class SelfSpecWorker(BaseSpecWorker):
         batch.input_ids = step.tokens.flatten()
         batch.out_cache_loc = out_cache_loc
         t1 = time.perf_counter()
-        if W == 1 and step.gate is None:
+        if W == 1:
+            self.stats.ar_steps += 1
+        if W == 1 and step.gate is None and self._ar_as_decode:
             result = self._plain_decode_forward(batch, seq_lens, seq_lens_cpu)
-            self.stats.plain_decode_steps += 1
+            self.stats.ar_steps_as_decode += 1
         else:
             positions = (seq_lens.to(torch.int64).unsqueeze(1) + step.offsets).flatten()
             custom_mask = self._custom_mask(step.local, seq_lens_cpu.tolist())
@@ -400,10 +406,9 @@ class SelfSpecWorker(BaseSpecWorker):
 
     def _plain_decode_forward(self, batch: ScheduleBatch, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor):
         """A step of one token per request (a width plan's AR bucket) as SGLang's own decode
-        forward: its decode attention path instead of the verify path with a step mask, which
-        costs a width-1 step more (README, "Re-tuned and re-measured"). Decode reads each request's length including the token being
-        written, which the reserved slot at seq_len already holds room for; the logits are
-        returned unsampled (is_verify) and decided by the mode like any other step's."""
+        forward (not on a CPU: `_ar_as_decode`). Decode reads each request's length including
+        the token being written, which the reserved slot at seq_len already holds room for; the
+        logits are returned unsampled (is_verify) and decided by the mode like any other step's."""
         saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info)
         batch.forward_mode = ForwardMode.DECODE
         batch.seq_lens = seq_lens + 1
