@@ -75,6 +75,38 @@ def test_speculation_must_beat_ar_by_the_margin():
     assert [c.best.mode for c in choose(costs, cands, "greedy", 2, tolerance=0.0, margin=0.0)] == ["isd", "isd"]
 
 
+def test_replan_chooses_again_from_a_saved_report_with_another_margin(tmp_path, capsys):
+    """`selfspec tune --replan TUNE.json` plans from an earlier run's measurements without
+    measuring: the same report planned with margin 0.15 and 0 gives AR steps where stride 2 is
+    predicted 5% faster (batch 1) only under the margin, and states where it came from."""
+    import yaml
+
+    from selfspec.cli import main
+
+    cands = [CANDIDATES[0], Candidate("isd", {"stride": 2}, 3, {"greedy": 1.0, "sampled": 1.0})]
+    costs = CostTable([1, 2], [1, 3], [[10.5, 10.0], [12.0, 10.0]])
+    free = StepOverhead.linear(0.0, 0.0).to_dict()
+    report = {"schema": "selfspec.tune/v1", "model": "tiny-idlm", "host": "h", "threads": 1, "dtype": "float32",
+              "temperature": 0.7, "costs": costs.to_dict(),
+              "modes": {"isd": {"candidates": [c.to_dict() for c in cands],
+                                "step_overhead": {"greedy": free, "sampled": free}}}}
+    saved = tmp_path / "tune.json"
+    saved.write_text(json.dumps(report))
+    plans = {}
+    for margin in ("0.15", "0"):
+        out = tmp_path / f"plan-{margin}-{{mode}}.yaml"
+        assert main(["tune", "--replan", str(saved), "--margin", margin, "--out", str(out),
+                     "--json", str(tmp_path / "again.json")]) == 0
+        path = tmp_path / f"plan-{margin}-isd.yaml"
+        assert f"re-planned from {saved} with --margin {float(margin)}" in path.read_text()
+        plans[margin] = yaml.safe_load(path.read_text())["plan"]["greedy"]
+    assert [(b["max_batch"], b["mode"]) for b in plans["0.15"]] == [(1, "ar"), (None, "isd")]
+    assert [(b["max_batch"], b["mode"]) for b in plans["0"]] == [(None, "isd")]
+    assert json.loads((tmp_path / "again.json").read_text())["margin"] == 0.0
+    assert main(["tune", "--replan", str(tmp_path / "missing.json")]) == 2
+    assert "--replan" in capsys.readouterr().err
+
+
 def test_greedy_only_candidates_never_serve_sampled_batches():
     jacobi = Candidate("jacobi", {"block_size": 8}, 8, {"greedy": 5.0, "sampled": float("nan")})
     plan = choose(table(lambda b, w: 10.0), [CANDIDATES[0], jacobi], "sampled", 4)

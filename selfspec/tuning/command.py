@@ -40,7 +40,7 @@ LEVEL_REQUESTS = 32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", required=True, help="embedded model name or checkpoint / adapter directory")
+    p.add_argument("--model", help="embedded model name or checkpoint / adapter directory (required unless --replan)")
     p.add_argument("--modes", default="isd", help="comma-separated served modes to tune (isd, risd, jacobi, sjd); "
                    "one serving config each")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help='JSON lines {"prompt": "..."} (default %(default)s)')
@@ -67,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default=DEFAULT_OUT, help="serving config path; {host} and {mode} are filled "
                    "(default %(default)s)")
     p.add_argument("--json", dest="json_out", default=None, help="also write every measurement and prediction here")
+    p.add_argument("--margin", type=float, default=None,
+                   help="how much faster than plain AR steps a speculative candidate must be predicted, as a "
+                   "fraction (default 0.15: the served error of the predictions)")
+    p.add_argument("--replan", metavar="TUNE.json", default=None,
+                   help="plan again from an earlier run's --json (its costs, acceptance and step costs) instead of "
+                   "measuring: seconds, not minutes; every mode in it is planned, --margin applies, --out and --json "
+                   "are written anew")
     return p
 
 
@@ -99,18 +106,21 @@ def _modes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.margin is not None and not 0 <= args.margin < 1:
+        raise UsageError(f"--margin {args.margin}: expected a fraction in [0, 1), e.g. 0.15")
+    if args.replan:
+        return _replan(args)
+    if not args.model:
+        raise UsageError("--model: name the model to tune (an embedded name or a checkpoint directory)")
     import torch
     from tqdm import tqdm
 
     from selfspec.benchmarks.offline import load_prompts
-    from selfspec.decoding import registry
     from selfspec.decoding.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
     from selfspec.engines.kernel_choice import ragged_verify_enabled
     from selfspec.serving import cuda_available
     from selfspec.tuning import acceptance, cost
-    from selfspec.tuning.choose import buckets, choose, servable, throughput
-    from selfspec.tuning.level import plan_levels
 
     modes = _modes(args.modes)
     batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
@@ -166,13 +176,61 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"schema": "selfspec.tune/v1", "model": args.model, "host": host,
                               "threads": args.threads, "dtype": args.dtype, "temperature": args.temperature,
                               "seconds": time.perf_counter() - t0, "costs": table.to_dict(),
-                              "costs_measured": raw.to_dict(), "modes": {}}
+                              "costs_measured": raw.to_dict(), "modes": {},
+                              "settings": {k: getattr(args, k) for k in _SETTINGS}}
+    _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, host)
+    return 0
+
+
+#: the measuring run's settings a --replan takes from its report (the YAML header states them)
+_SETTINGS = ("prompts", "limit", "corpus_prompts", "max_new_tokens", "batch_sizes", "context")
+
+
+def _replan(args: argparse.Namespace) -> int:
+    """The plans again from an earlier run's report: its measurements, this run's choice settings."""
+    from selfspec.tuning.acceptance import Candidate
+    from selfspec.tuning.cost import CostTable, StepOverhead
+
+    try:
+        report = json.loads(Path(args.replan).read_text())
+        if report.get("schema") != "selfspec.tune/v1" or "costs" not in report:
+            raise ValueError("not a `selfspec tune --json` report")
+        table = CostTable(**report["costs"])
+        modes = list(report["modes"])
+        cands = {m: [Candidate.from_dict(c) for c in report["modes"][m]["candidates"]] for m in modes}
+        overheads = {m: {k: StepOverhead.from_dict(v) for k, v in report["modes"][m]["step_overhead"].items()}
+                     for m in modes}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--replan {args.replan}: {e}") from None
+    for key in ("model", "temperature", "threads", "dtype"):
+        setattr(args, key, report[key])
+    for key, value in report.get("settings", {}).items():  # absent in reports before they were kept
+        setattr(args, key, value)
+    args.modes = ",".join(modes)
+    if args.margin is None:
+        from selfspec.tuning.choose import MARGIN
+
+        args.margin = MARGIN
+    report = dict(report, modes={}, replanned_from=args.replan)
+    _plan_and_write(modes, table, cands, overheads, table.batch_sizes, args, report, report["host"])
+    return 0
+
+
+def _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, host) -> None:
+    """Per mode: the plan from the measurements, printed and written as a serving config (and
+    into `report`, written to --json)."""
+    from selfspec.decoding import registry
+    from selfspec.tuning.choose import MARGIN, buckets, choose, servable, throughput
+    from selfspec.tuning.level import plan_levels
+
+    margin = MARGIN if args.margin is None else args.margin
+    report["margin"] = margin
     print(_cost_text(table))
     for m in modes:
         plan, lines, levels = {}, [], {}
-        for kind in samplings:
+        for kind in ("greedy", "sampled"):
             usable = servable(cands[m], kind, registry.get(m).greedy_only)
-            choices = choose(table, usable, kind, batch_sizes[-1], overheads[m][kind])
+            choices = choose(table, usable, kind, batch_sizes[-1], overheads[m][kind], margin=margin)
             plan[kind] = [b.to_dict() for b in buckets(choices)]
             lines += _overhead_text(kind, overheads[m][kind])
             lines += _choice_text(m, kind, cands[m], choices, batch_sizes)
@@ -190,13 +248,12 @@ def run(args: argparse.Namespace) -> int:
         report["modes"][m] = {"config": str(out), "plan": plan, "candidates": [c.to_dict() for c in cands[m]],
                               "levels": {kind: {str(c): {"plan_tok_s": p, "ar_tok_s": a} for c, (p, a) in lv.items()}
                                          for kind, lv in levels.items()},
-                              "step_overhead": {kind: ov[kind].to_dict() for kind in samplings},
+                              "step_overhead": {kind: ov[kind].to_dict() for kind in ov},
                               "predicted": {kind: {str(b): {c.label: _finite(throughput(table, c, kind, b, ov[kind]))
                                                             for c in cands[m]} for b in batch_sizes}
-                                            for kind in samplings}}
+                                            for kind in ov}}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
-    return 0
 
 
 def _level_text(kind: str, levels: dict[int, tuple[float, float]], tokens: int) -> list[str]:
@@ -279,7 +336,8 @@ def _yaml_text(mode, plan, table, cands, lines, args) -> str:
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime())
     head = [f"# Width plan for {mode.upper()}, written by `selfspec tune` on {socket.gethostname()} at {when}",
             f"#   selfspec tune --model {args.model} --modes {args.modes} --batch-sizes {args.batch_sizes} "
-            f"--temperature {args.temperature} --threads {args.threads}",
+            f"--temperature {args.temperature} --threads {args.threads}"
+            + (f" (re-planned from {args.replan} with --margin {args.margin})" if getattr(args, "replan", None) else ""),
             f"# Serve: python -m sglang.launch_server --model-path <model> --speculative-algorithm {mode.upper()} "
             "--selfspec-config <this file>",
             "# Each decode step runs the bucket its batch falls in (max_batch: up to that many requests;",
