@@ -70,7 +70,7 @@ class AggregateStats:
         self.window_width = 0  # sum of the steps' forward widths (a width plan varies it)
         self.last_step_width = 0
         self.ar_steps = 0  # one-token steps (an AR bucket's, the online check's AR arm)
-        self.ar_steps_as_decode = 0  # those run as SGLang's own decode forward (padded verify only)
+        self.ar_steps_as_decode = 0  # those run as SGLang's own decode forward (not on a CPU)
         self._gauges = None
         self._last_log = time.monotonic()
 

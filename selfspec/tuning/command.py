@@ -106,7 +106,10 @@ def _modes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.margin is not None and not 0 <= args.margin < 1:
+    from selfspec.tuning.choose import MARGIN
+
+    args.margin = MARGIN if args.margin is None else args.margin
+    if not 0 <= args.margin < 1:
         raise UsageError(f"--margin {args.margin}: expected a fraction in [0, 1), e.g. 0.15")
     if args.replan:
         return _replan(args)
@@ -207,10 +210,6 @@ def _replan(args: argparse.Namespace) -> int:
     for key, value in report.get("settings", {}).items():  # absent in reports before they were kept
         setattr(args, key, value)
     args.modes = ",".join(modes)
-    if args.margin is None:
-        from selfspec.tuning.choose import MARGIN
-
-        args.margin = MARGIN
     report = dict(report, modes={}, replanned_from=args.replan)
     _plan_and_write(modes, table, cands, overheads, table.batch_sizes, args, report, report["host"])
     return 0
@@ -220,17 +219,16 @@ def _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, h
     """Per mode: the plan from the measurements, printed and written as a serving config (and
     into `report`, written to --json)."""
     from selfspec.decoding import registry
-    from selfspec.tuning.choose import MARGIN, buckets, choose, servable, throughput
+    from selfspec.tuning.choose import buckets, choose, servable, throughput
     from selfspec.tuning.level import plan_levels
 
-    margin = MARGIN if args.margin is None else args.margin
-    report["margin"] = margin
+    report["margin"] = args.margin
     print(_cost_text(table))
     for m in modes:
         plan, lines, levels = {}, [], {}
         for kind in ("greedy", "sampled"):
             usable = servable(cands[m], kind, registry.get(m).greedy_only)
-            choices = choose(table, usable, kind, batch_sizes[-1], overheads[m][kind], margin=margin)
+            choices = choose(table, usable, kind, batch_sizes[-1], overheads[m][kind], margin=args.margin)
             plan[kind] = [b.to_dict() for b in buckets(choices)]
             lines += _overhead_text(kind, overheads[m][kind])
             lines += _choice_text(m, kind, cands[m], choices, batch_sizes)
