@@ -201,6 +201,15 @@ def test_a_tune_with_per_prompt_acceptance_predicts_the_level_replayed(tmp_path)
     sjd_lv = report["results"][2]["levels"][0]
     assert sjd_lv["predicted_tok_s"] == pytest.approx(100.0) and sjd_lv["predicted_ar_tok_s"] == pytest.approx(100.0)
     assert sjd_lv["predicted_speedup"] == pytest.approx(1.0)
+    # a tune that timed the stock AR server (its steps 15 ms at batch 2): the AR row and every
+    # mode's speed-up are priced by it, the plans by their own calibration
+    tune["stock_ar"] = {"step_overhead": {"greedy": {"ar_ms": {"1": 5.0}}}}
+    path.write_text(json.dumps(tune))
+    predictions.attach(report, predictions.load(path))
+    ar_lv, isd_lv, sjd_lv = (r["levels"][0] for r in report["results"])
+    assert ar_lv["predicted_tok_s"] == pytest.approx(2e3 / 15)
+    assert isd_lv["predicted_tok_s"] == pytest.approx(200.0) and sjd_lv["predicted_tok_s"] == pytest.approx(100.0)
+    assert isd_lv["predicted_speedup"] == pytest.approx(1.5) and sjd_lv["predicted_speedup"] == pytest.approx(0.75)
     del report["max_tokens"]  # an older report: the steady prediction
     predictions.attach(report, predictions.load(path))
     assert report["results"][1]["levels"][0]["predicted_tok_s"] == 364.0

@@ -103,6 +103,19 @@ def test_replan_chooses_again_from_a_saved_report_with_another_margin(tmp_path, 
     assert [(b["max_batch"], b["mode"]) for b in plans["0.15"]] == [(1, "ar"), (None, "isd")]
     assert [(b["max_batch"], b["mode"]) for b in plans["0"]] == [(None, "isd")]
     assert json.loads((tmp_path / "again.json").read_text())["margin"] == 0.0
+    assert "x AR steps)" in capsys.readouterr().out  # no stock AR timings: levels over the mode's AR steps
+    # with the stock AR server's steps in the report (twice the mode's AR step), the replayed
+    # levels are over stock AR, as the bench reads them
+    report["stock_ar"] = {"step_overhead": {"greedy": StepOverhead({1: 10.0, 2: 10.0}).to_dict(),
+                                            "sampled": StepOverhead({1: 10.0, 2: 10.0}).to_dict()}}
+    saved.write_text(json.dumps(report))
+    assert main(["tune", "--replan", str(saved), "--out", str(tmp_path / "s-{mode}.yaml"),
+                 "--json", str(tmp_path / "again.json")]) == 0
+    assert "x stock AR)" in capsys.readouterr().out
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["modes"]["isd"]["levels_ar"] == "stock" and "stock_ar" in again
+    c1 = again["modes"]["isd"]["levels"]["greedy"]["1"]
+    assert c1["ar_tok_s"] == pytest.approx(1e3 / 20.5)  # stock AR: 10.5 ms forward + 10 ms more
     assert main(["tune", "--replan", str(tmp_path / "missing.json")]) == 2
     assert "--replan" in capsys.readouterr().err
 
@@ -432,6 +445,14 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     lookup_plan = (tmp_path / "calibration-lookup.yaml").read_text()
     assert "ngram" in lookup_plan.split("sampled:")[0] and "ngram" not in lookup_plan.split("sampled:")[1]
     assert "num_draft: 4" in lookup_plan and "num_draft: 8" in lookup_plan
+    # the stock AR server (no speculative algorithm), what the bench's AR row runs: its steps
+    # timed at batch 1 and 2 for both kinds, priced as AR steps
+    stock = calibrate.stock_ar_overhead(str(tiny_base_path), costs, list(range(100, 140)), [1, 2], 0.7,
+                                        log_dir=str(tmp_path))
+    assert set(stock) == {"greedy", "sampled"}
+    for ov in stock.values():
+        assert set(ov.measured["ar"]) == {1, 2} and all(ms > 1.0 for ms in ov.measured["ar"].values())
+        assert ov.ms(2) == pytest.approx(ov.measured["ar"][2] - costs.time_ms(2, 1)) and ov.request_ms > 1.0
 
 
 def test_the_demo_says_what_the_plan_runs_at_its_batch_sizes(tmp_path):

@@ -97,9 +97,10 @@ def _candidate_at(tuned: dict[str, Any], mode: str | None, sampled: bool, batch:
 
 
 def _replayed(tune: dict[str, Any], tuned: dict[str, Any], mode: str | None, sampled: bool, level: dict[str, Any],
-              tokens: int) -> float | None:
+              tokens: int, stock: bool = False) -> float | None:
     """The level's tok/s replayed from the tune's per-prompt acceptance (`level.replay_level`);
-    None where the tune kept none or the plan names a candidate it did not measure."""
+    None where the tune kept none or the plan names a candidate it did not measure. `stock` (AR
+    steps, mode None): priced as the stock AR server's steps where the tune timed them."""
     from selfspec.tuning.cost import CostTable, StepOverhead
     from selfspec.tuning.level import replay_level
 
@@ -118,6 +119,8 @@ def _replayed(tune: dict[str, Any], tuned: dict[str, Any], mode: str | None, sam
         return picks[batch]
 
     overhead = (tuned.get("step_overhead") or {}).get(kind)
+    if stock and mode is None:
+        overhead = ((tune.get("stock_ar") or {}).get("step_overhead") or {}).get(kind) or overhead
     try:
         return replay_level(CostTable(**tune["costs"]), pick, kind, level["concurrency"],
                             level.get("requests") or level["concurrency"], tokens,
@@ -146,9 +149,9 @@ def attach(report: dict[str, Any], tune: dict[str, Any]) -> None:
       the tuner's tokens per step over its predicted tok/s. The rest of `prediction_error` is the
       level's acceptance (its prompts are not the tuner's) and a batch that fills and thins.
 
-    - `predicted_speedup` = the prediction over AR's at the same level (AR steps replayed with the
-      row's own mode's calibration, `predicted_ar_tok_s`, where the level is replayed; else the AR
-      row's prediction), and `speedup_error` = that over the measured `ratio_vs_ar` − 1 (rows other
+    - `predicted_speedup` = the prediction over AR's at the same level (`predicted_ar_tok_s`: the
+      stock AR server's steps replayed where the tune timed them, else AR steps by the row's own
+      mode's calibration, where the level is replayed; else the AR row's prediction), and `speedup_error` = that over the measured `ratio_vs_ar` − 1 (rows other
       than AR, where the report has the ratio).
 
     All three are positive where the tuner was optimistic."""
@@ -174,16 +177,17 @@ def attach(report: dict[str, Any], tune: dict[str, Any]) -> None:
             cand = _candidate_at(tuned, mode, sampled, batch) or {"mode": None, "options": {}, "tokens_per_step": {}}
             steady = (tuned["predicted"].get(kind) or {}).get(str(batch), {}).get(
                 Candidate(cand["mode"], cand["options"]).label)
-            replayed = (_replayed(tune, tuned, mode, sampled, lv, report["max_tokens"])
+            replayed = (_replayed(tune, tuned, mode, sampled, lv, report["max_tokens"], stock=True)
                         if report.get("max_tokens") else None)
             pred = replayed if replayed is not None else steady
             measured = lv["output_tok_s"]
             if mode is not None and replayed is not None:
-                # AR steps priced by this mode's own calibration, as the plan's are: a speed-up
-                # over another mode's AR (the AR row's: the first tuned mode's) carried that
-                # calibration's noise (an AR step timed 10.6 ms at batch 1 where the next mode's
-                # read 7.7 and 6.5 put +40-100% on every other mode's C=1 speed-up)
-                lv["predicted_ar_tok_s"] = _replayed(tune, tuned, None, sampled, lv, report["max_tokens"])
+                # the AR row is the stock AR server: its steps as the tune timed them, where it did
+                # (`calibrate.stock_ar_overhead`); in older tunes, priced by this mode's own
+                # calibration, as the plan's are (another mode's calibration carried its noise: an
+                # AR step timed 10.6 ms at batch 1 where the next mode's read 7.7 and 6.5 put
+                # +40-100% on every other mode's C=1 speed-up)
+                lv["predicted_ar_tok_s"] = _replayed(tune, tuned, None, sampled, lv, report["max_tokens"], stock=True)
             lv["predicted_tok_s"] = pred
             lv["predicted_steady_tok_s"] = steady
             lv["prediction_error"] = pred / measured - 1 if pred and measured else None

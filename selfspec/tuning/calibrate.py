@@ -195,6 +195,38 @@ def lookup_candidate(cands: list[Candidate], kind: str) -> Candidate | None:
                          and not c.options.get("caps"))
 
 
+def _server(model: str, work: Path, name: str, max_batch: int, args: list[str]):
+    from selfspec.serving import ServerProcess, ServerSpec
+
+    return ServerProcess(ServerSpec(model, port=None, extra_args=[*args, "--max-running-requests", str(max_batch)]),
+                         log_path=work / f"{name}.log", startup_timeout=900)
+
+
+def stock_ar_overhead(model: str, costs: CostTable, prompt: list[int], batch_sizes: list[int], temperature: float,
+                      threads: int = 1, log_dir: str | None = None, progress=None) -> dict[str, StepOverhead]:
+    """SGLang's own AR server (no speculative algorithm: the bench's AR row) timed at batch 1 and
+    the calibration's AR batches, greedy and sampled: what a plan's replayed level is compared
+    with. The plan itself chooses against the mode worker's AR steps (what it would run instead),
+    but those run on the worker's verify path, 1.1-1.5x stock AR's decode path at wide batches
+    here, so a speed-up over them read 20-40% below the bench's ratio over stock AR (README "AR
+    steps on the verify path")."""
+    from selfspec.serving import server_threads
+
+    batches = [1, *calibration_batches(batch_sizes)[0]]
+    work = Path(log_dir or tempfile.mkdtemp(prefix="selfspec-tune-"))
+    work.mkdir(parents=True, exist_ok=True)
+    out: dict[str, StepOverhead] = {}
+    with server_threads(threads), _server(model, work, "calibration-stock-ar", batches[-1], []) as server:
+        _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
+        for kind, temp in (("greedy", 0.0), ("sampled", temperature)):
+            steps = {b: step_ms(server.base_url, prompt, b, temp) for b in batches}
+            out[kind] = fit_overhead(costs, steps, {}, 1)
+            out[kind].request_ms = request_ms(server.base_url, prompt, temp)
+            if progress is not None:
+                progress.update(len(batches))
+    return out
+
+
 def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candidate], prompt: list[int],
                     batch_sizes: list[int], temperature: float, threads: int = 1, log_dir: str | None = None,
                     progress=None) -> dict[str, StepOverhead]:
@@ -202,7 +234,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
     calibration plan; the overhead per sampling kind."""
     import yaml
 
-    from selfspec.serving import ServerProcess, ServerSpec, server_threads
+    from selfspec.serving import server_threads
 
     ar_batches, verify_batches = calibration_batches(batch_sizes)
     chosen = {"greedy": middle_width(cands, "greedy"), "sampled": middle_width(cands, "sampled")}
@@ -218,10 +250,8 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
     def serve(name: str, plan: dict, max_batch: int):
         path = work / f"{name}.yaml"
         path.write_text(yaml.safe_dump({"mode": mode.upper(), "plan": plan}))
-        args = ["--speculative-algorithm", mode.upper(), "--selfspec-config", str(path),
-                "--max-running-requests", str(max_batch)]
-        return ServerProcess(ServerSpec(model, port=None, extra_args=args), log_path=work / f"{name}.log",
-                             startup_timeout=900)
+        return _server(model, work, name, max_batch, ["--speculative-algorithm", mode.upper(),
+                                                      "--selfspec-config", str(path)])
 
     ar_one: dict[str, float] = {}  # kind -> AR step ms at batch 1
     request_costs: dict[str, float] = {}  # kind -> a request's time besides its decode steps

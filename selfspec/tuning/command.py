@@ -11,7 +11,8 @@ HF engine with `--threads` torch threads (default 1, what `selfspec bench serve`
 server process) and `--dtype` (default float32, what `selfspec serve` uses on a CPU). What a
 served step costs besides the forward (scheduling, bookkeeping, the extend path and verify rules
 of a wide step) is measured on real servers of the mode running AR and verify steps at a few
-batch sizes (`calibrate.py`: three servers, about three minutes per mode), or given with
+batch sizes (`calibrate.py`: three servers, about three minutes per mode, and one stock AR server
+per tune, what the printed bench levels compare with), or given with
 `--step-overhead-ms BASE[,PER_REQUEST]` (0 for the offline engine). A candidate is priced by the
 query tokens its steps carry: the real ones where the CPU worker's forwards are ragged (so a
 lookup whose weak matches draft short, `lookup=12c`, or whose requests' drafts follow their recent
@@ -150,14 +151,15 @@ def run(args: argparse.Namespace) -> int:
                  for m in modes for opts in acceptance.GRIDS[m])
     if widest > widths[-1]:
         widths.append(widest)
-    from selfspec.tuning.calibrate import calibration_batches, server_overhead
+    from selfspec.tuning.calibrate import calibration_batches, server_overhead, stock_ar_overhead
 
     # AR steps timed at the calibration's batches, and at batch 1 on its AR-only server
     calibrate = [1, *calibration_batches(batch_sizes)[0]] if overhead is None else []
     total = (cost.GRID_PASSES * len(batch_sizes) * len(widths) + sum(len(c) * len(samplings) for c in cands.values())
-             + len(calibrate) * len(samplings) * len(modes))
+             + len(calibrate) * len(samplings) * (len(modes) + 1))
     t0 = time.perf_counter()
     overheads: dict[str, dict[str, cost.StepOverhead]] = {}  # mode -> sampling kind -> overhead
+    stock_ar: dict[str, cost.StepOverhead] = {}  # sampling kind -> stock AR server's steps
     with tqdm(total=total, desc="tune", unit="run") as bar:
         raw = cost.measure(cost.hf_forward(engine, args.context), batch_sizes, widths, args.reps, bar)
         table = raw.monotone()
@@ -175,12 +177,18 @@ def run(args: argparse.Namespace) -> int:
                 bar.set_description(f"tune: {m} server steps")
                 overheads[m] = server_overhead(args.model, m, table, cands[m], prompts[0], batch_sizes,
                                                args.temperature, args.threads, progress=bar)
+        if overhead is None:
+            bar.set_description("tune: stock AR server steps")
+            stock_ar = stock_ar_overhead(args.model, table, prompts[0], batch_sizes, args.temperature,
+                                         args.threads, progress=bar)
     host = socket.gethostname().split(".")[0] or "host"
     report: dict[str, Any] = {"schema": "selfspec.tune/v1", "model": args.model, "host": host,
                               "threads": args.threads, "dtype": args.dtype, "temperature": args.temperature,
                               "seconds": time.perf_counter() - t0, "costs": table.to_dict(),
                               "costs_measured": raw.to_dict(), "modes": {},
                               "settings": {k: getattr(args, k) for k in _SETTINGS}}
+    if stock_ar:
+        report["stock_ar"] = {"step_overhead": {kind: ov.to_dict() for kind, ov in stock_ar.items()}}
     _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, host)
     return 0
 
@@ -223,6 +231,7 @@ def _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, h
     from selfspec.tuning.level import plan_levels
 
     report["margin"] = args.margin
+    stock = stock_ar_of(report)
     print(_cost_text(table))
     for m in modes:
         plan, lines, levels = {}, [], {}
@@ -234,8 +243,8 @@ def _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, h
             lines += _choice_text(m, kind, cands[m], choices, batch_sizes)
             ar = next(c for c in cands[m] if c.mode == "ar")
             levels[kind] = plan_levels(table, [ch.best for ch in choices], ar, kind, batch_sizes,
-                                       LEVEL_REQUESTS, args.max_new_tokens, overheads[m][kind])
-            lines += _level_text(kind, levels[kind], args.max_new_tokens)
+                                       LEVEL_REQUESTS, args.max_new_tokens, overheads[m][kind], stock.get(kind))
+            lines += _level_text(kind, levels[kind], args.max_new_tokens, "stock AR" if stock else "AR steps")
         lines += _own_steps_note(m, plan)
         out = Path(args.out.format(host=host, mode=m))
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,6 +255,7 @@ def _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, h
         report["modes"][m] = {"config": str(out), "plan": plan, "candidates": [c.to_dict() for c in cands[m]],
                               "levels": {kind: {str(c): {"plan_tok_s": p, "ar_tok_s": a} for c, (p, a) in lv.items()}
                                          for kind, lv in levels.items()},
+                              "levels_ar": "stock" if stock else "mode",
                               "step_overhead": {kind: ov[kind].to_dict() for kind in ov},
                               "predicted": {kind: {str(b): {c.label: _finite(throughput(table, c, kind, b, ov[kind]))
                                                             for c in cands[m]} for b in batch_sizes}
@@ -254,9 +264,17 @@ def _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, h
         Path(args.json_out).write_text(json.dumps(report, indent=2))
 
 
-def _level_text(kind: str, levels: dict[int, tuple[float, float]], tokens: int) -> list[str]:
+def stock_ar_of(report: dict) -> dict:
+    """Sampling kind -> the stock AR server's step costs a tune report holds (none in reports from
+    before it measured them)."""
+    from selfspec.tuning.cost import StepOverhead
+
+    return {kind: StepOverhead.from_dict(ov) for kind, ov in (report.get("stock_ar") or {}).get("step_overhead", {}).items()}
+
+
+def _level_text(kind: str, levels: dict[int, tuple[float, float]], tokens: int, ar: str) -> list[str]:
     """What `selfspec bench serve` should read: each level replayed (`tuning/level.py`)."""
-    cells = ", ".join(f"C={c} {p:.0f} tok/s ({p / a:.2f}x AR)" for c, (p, a) in levels.items())
+    cells = ", ".join(f"C={c} {p:.0f} tok/s ({p / a:.2f}x {ar})" for c, (p, a) in levels.items())
     return [f"  {kind} bench levels replayed ({LEVEL_REQUESTS} requests x {tokens} tokens, requests finishing "
             f"unevenly, each request's prefill and handling once): {cells}"]
 

@@ -84,13 +84,16 @@ def replay_level(costs: CostTable, pick: Callable[[int], Candidate], kind: str, 
 
 
 def plan_levels(costs: CostTable, chosen: list[Candidate], ar: Candidate, kind: str, levels: list[int], requests: int,
-                tokens: int, overhead: StepOverhead | None = None) -> dict[int, tuple[float, float]]:
+                tokens: int, overhead: StepOverhead | None = None,
+                ar_overhead: StepOverhead | None = None) -> dict[int, tuple[float, float]]:
     """Per concurrency level (`requests` requests, at least C, of `tokens` tokens), the replayed
-    tok/s of the plan whose candidate at batch b is chosen[b - 1] (the last beyond) and of AR steps."""
+    tok/s of the plan whose candidate at batch b is chosen[b - 1] (the last beyond) and of AR
+    steps, priced by `ar_overhead` where given (stock AR's, `calibrate.stock_ar_overhead`: what the
+    bench compares with), else by the plan's own."""
     pick = lambda b: chosen[min(b, len(chosen)) - 1]  # noqa: E731
     out = {}
     for c in levels:
         n = max(requests, c)
         out[c] = (replay_level(costs, pick, kind, c, n, tokens, overhead).tok_s,
-                  replay_level(costs, lambda b: ar, kind, c, n, tokens, overhead).tok_s)
+                  replay_level(costs, lambda b: ar, kind, c, n, tokens, ar_overhead or overhead).tok_s)
     return out
