@@ -102,6 +102,25 @@ def test_presets_parse_and_apply(tiny_base_path):
         assert sa.speculative_num_draft_tokens == width
 
 
+def test_fixed_width_plans_serve(tiny_base_path):
+    """The one-bucket plans the fixed-vs-tuned benches serve (bench/fixed_widths): a plan of a
+    mode's own steps resolves under the algorithm it names, a lookup or AR plan under any, and
+    the verify width is that of its step (a 4-token lookup: 5 rows)."""
+    from selfspec.sglang_ext.config import load_yaml_config
+
+    fixed = sorted((REPO / "bench" / "fixed_widths").glob("*.yaml"))
+    assert len(fixed) >= 7
+    widths = {}
+    for path in fixed:
+        mode = load_yaml_config(path).get("mode")
+        for algorithm in [mode] if mode else ["ISD", "JACOBI", "SJD"]:
+            sa = _resolve(tiny_base_path, "--speculative-algorithm", algorithm, "--selfspec-config", str(path))
+            assert sa.speculative_algorithm == algorithm
+            assert widths.setdefault(path.stem, sa.speculative_num_draft_tokens) == sa.speculative_num_draft_tokens
+    assert widths["lookup4"] == 5 and widths["lookup12c"] == 13 and widths["isd-stride3"] == 5
+    assert widths["ar-steps"] == 1
+
+
 def test_flags_override_yaml(tiny_base_path):
     sa = _resolve(tiny_base_path, "--selfspec-config", str(PRESETS / "isd-n4.yaml"), "--selfspec-stride", "3")
     assert sa.speculative_num_draft_tokens == 5

@@ -397,14 +397,26 @@ def test_fit_overhead_recovers_the_served_step_cost():
     assert at(6) == pytest.approx((at(3) + at(9)) / 2) and at(3) > at(9)  # short drafts dearer per token here
     assert ov.ms(9, width) == pytest.approx(truth.ms(9) + 3.0)  # verify steps priced as before
     assert StepOverhead.from_dict(json.loads(json.dumps(ov.to_dict()))) == ov
+    # the mode's own steps timed at two widths (a narrow one at the AR batches): priced by batch
+    # and width, reproducing both; a 3-token step at batch 1 costs its measured 0.5 ms more than
+    # an AR step, not the 1.0 the 7-token step's excess keyed by query tokens says
+    narrow = {b: costs.time_ms(b, 3) + truth.ms(b) + x for b, x in ((1, 0.5), (8, 1.5), (32, 5.0))}
+    ov = fit_overhead(costs, ar, verify, width, look, 9, short, 3, narrow, 3)
+    assert ov.verify_by_width[3] == pytest.approx({1: 0.5, 8: 1.5, 32: 5.0})
+    for steps, w in ((verify, width), (narrow, 3)):
+        for b, ms in steps.items():
+            assert costs.time_ms(b, w) + ov.ms(b, w) == pytest.approx(ms)
+    assert ov.ms(1, 3) - truth.ms(1) == pytest.approx(0.5) and ov.measured["verify@3"] == narrow
+    assert fit_overhead(costs, ar, verify, width).ms(1, 3) - truth.ms(1) == pytest.approx(1.0)
+    assert StepOverhead.from_dict(json.loads(json.dumps(ov.to_dict()))) == ov
 
 
 @pytest.mark.server
 def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, monkeypatch):
-    """Servers of a greedy-only mode: AR steps timed at batch 1 under an AR-only plan, then at
-    batch 2 under the calibration plan, the candidate's verify steps at batch 1 (its sampled
-    batches are never sent: the mode refuses them), and the fitted overhead prices a wide step
-    above an AR step."""
+    """Servers of a greedy-only mode: AR steps timed at batch 1 and 2 under an AR-only plan, the
+    median candidate's verify steps at batch 1 and the narrowest's at 2 under the calibration
+    plan (its sampled batches are never sent: the mode refuses them), and the fitted overhead
+    prices a wide step above an AR step; then the stock AR server's steps."""
     from selfspec.tuning import calibrate
 
     monkeypatch.setattr(calibrate, "LONG", 64)  # fewer tokens: the test times, it does not tune
@@ -412,7 +424,9 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     lookups = [Candidate("ngram", {"num_draft": k, "corpus": True}, k + 1, {"greedy": 2.0, "sampled": 1.5})
                for k in (4, 8, 12)]
     cands = [Candidate("ar", {}, 1, {"greedy": 1.0, "sampled": 1.0}),
+             Candidate("jacobi", {"block_size": 2, "context_tokens": 0}, 3, {"greedy": 1.3, "sampled": float("nan")}),
              Candidate("jacobi", {"block_size": 4, "context_tokens": 0}, 5, {"greedy": 1.5, "sampled": float("nan")}),
+             Candidate("jacobi", {"block_size": 8, "context_tokens": 0}, 9, {"greedy": 1.6, "sampled": float("nan")}),
              *lookups]
     assert calibrate.lookup_candidate(cands, "greedy") is lookups[1]
     capped = [Candidate("ngram", {"num_draft": k, "caps": True}, k + 1, {"greedy": 2.0}) for k in (12, 16)]
@@ -420,8 +434,10 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     out = calibrate.server_overhead(str(tiny_base_path), "jacobi", costs, cands, list(range(100, 140)), [1, 2],
                                     temperature=0.7, log_dir=str(tmp_path))
     greedy, sampled = out["greedy"], out["sampled"]
-    assert set(greedy.measured) == {"ar", "verify@5", "lookup@9", "lookup@5"}
+    assert set(greedy.measured) == {"ar", "verify@5", "verify@3", "lookup@9", "lookup@5"}
     assert set(greedy.measured["ar"]) == {1, 2} and set(greedy.measured["verify@5"]) == {1}
+    # the narrowest own candidate (block 2) at batch 2: the mode's steps priced by two widths
+    assert set(greedy.measured["verify@3"]) == {2} and set(greedy.verify_by_width) == {5, 3}
     # the lookup step, timed at batch 1 on a server of its own, prices lookups alone; the short
     # lookup (4 tokens) timed at batch 2 on the same server gives its second width
     assert set(greedy.measured["lookup@9"]) == {1} and set(greedy.lookup_ms) == {9}
@@ -439,7 +455,7 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     assert sampled.request_ms == greedy.request_ms
     assert StepOverhead.from_dict(json.loads(json.dumps(greedy.to_dict()))) == greedy
     plan = (tmp_path / "calibration.yaml").read_text()
-    assert "online: false" in plan and "block_size: 4" in plan
+    assert "online: false" in plan and "block_size: 4" in plan and "block_size: 2" in plan
     ar_plan = (tmp_path / "calibration-ar.yaml").read_text()
     assert "online: false" in ar_plan and "jacobi" not in ar_plan.split("plan:")[1] and "ngram" not in ar_plan
     lookup_plan = (tmp_path / "calibration-lookup.yaml").read_text()

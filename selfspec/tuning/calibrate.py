@@ -2,30 +2,33 @@
 
 The cost grid times the HF engine's forward; a served step also schedules, builds the step,
 runs SGLang's extend path for a wide step, applies the verify rules to every query row and
-streams. To learn that part, one server of the mode runs a calibration plan whose buckets
-alternate by batch size: a fixed verify candidate at batch 1, plain AR steps at 2, then AR at a
-middle size and the largest with the candidate at one more (one plan for greedy batches, one for
-sampled ones, the online check off). `batch` concurrent identical requests (EOS ignored; sampled
-ones share a seed, so every row commits the same tokens and the batch stays whole) of a short
-and a long length are timed; (long − short) wall time over (long − short) forwards is one step at that
-batch, free of prefill and HTTP set-up. What the step costs beyond the grid's forward is split
-as `cost.StepOverhead` prices it: the AR step's excess by batch, and the verify step's excess
-over that by its query tokens, batch · width.
+streams. To learn that part, servers of the mode run calibration plans whose buckets alternate
+by batch size: the "verify batches" (1, then one more than a middle size and the largest) and
+the "AR batches" (2, the middle size, the largest), one plan for greedy batches, one for sampled
+ones, the online check off. `batch` concurrent identical requests (EOS ignored; sampled ones
+share a seed, so every row commits the same tokens and the batch stays whole) of a short and a
+long length are timed; (long − short) wall time over (long − short) forwards is one step at
+that batch, free of prefill and HTTP set-up. What the step costs beyond the grid's forward is
+split as `cost.StepOverhead` prices it: the AR step's excess by batch, and a wider step's excess
+over that.
 
-The AR step at batch 1 is timed on a second server of the mode whose plan is AR steps alone
-(one plan maps a batch size to one bucket, and the first plan's batch 1 is the verify
-candidate's): extrapolated from batch 2, it was priced 9.9 ms where the served step took 8.1,
-which made every predicted speed-up at C=1 too high (README "Predicted speed-ups and the narrower
-of near-ties"). With it, what a request costs besides its decode steps (prefill, HTTP,
-detokenizing: a request for one token, `request_ms`, `cost.StepOverhead.request_ms`). A third
-server runs a lookup step (`lookup_candidate`) at every batch, timed at the verify batches: a
-lookup step is priced by its own excess (`cost.StepOverhead.lookup_ms`), not by the mode's own step's (RISD's carries its adapter). Timed at batch 2 and above and
-extrapolated down, its batch-1 excess came out ~0 ms where served it was ~2.5 ms. The same
-server runs a short lookup (`short_lookup`, the 4-token one) at the AR batches, timed there
-too: with two widths a lookup step is priced by its batch and its width
-(`cost.StepOverhead.lookup_by_width`), which a capped or adaptive lookup's ragged forward,
-carrying fewer tokens than any padded width, needs (the served forward's cost grows more
-slowly with query tokens than the HF grid's).
+- An AR-only server times AR steps at 1 and the AR batches (a plan maps a batch size to one
+  bucket; extrapolated from batch 2, batch 1's AR step was priced 9.9 ms where it served 8.1,
+  which made every predicted speed-up at C=1 too high: README "Predicted speed-ups and the
+  narrower of near-ties"), and what a request costs besides its decode steps (prefill, HTTP,
+  detokenizing: a request for one token, `cost.StepOverhead.request_ms`).
+- A lookup server times a lookup step (`lookup_candidate`) at the verify batches and a short one
+  (`short_lookup`, the 4-token one) at the AR batches: a lookup step is priced by its own excess,
+  not by the mode's own step's (RISD's carries its adapter), by its batch and width
+  (`cost.StepOverhead.lookup_by_width`), which a capped or adaptive lookup's ragged forward,
+  carrying fewer tokens than any padded width, needs (the served forward's cost grows more
+  slowly with query tokens than the HF grid's).
+- The calibration server times the mode's own median-width candidate (`middle_width`) at the
+  verify batches and its narrowest (`narrow_own`) at the AR batches: two widths, priced alike
+  (`cost.StepOverhead.verify_by_width`).
+
+`stock_ar_overhead` times SGLang's own AR server at batch 1 and the AR batches: what the bench
+compares a plan with.
 """
 
 from __future__ import annotations
@@ -137,12 +140,14 @@ def request_ms(base_url: str, prompt: list[int], temperature: float) -> float:
 
 def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dict[int, float],
                  width: int, lookup_steps: dict[int, float] | None = None, lookup_width: int = 1,
-                 short_steps: dict[int, float] | None = None, short_width: int = 1) -> StepOverhead:
+                 short_steps: dict[int, float] | None = None, short_width: int = 1,
+                 narrow_steps: dict[int, float] | None = None, narrow_width: int = 1) -> StepOverhead:
     """`ar_steps`: batch -> measured AR step ms; `verify_steps`: batch -> measured step ms of a
-    `width`-token verify candidate; `lookup_steps` the same of a `lookup_width`-token lookup
-    step, `short_steps` of a narrower `short_width`-token one (then a lookup step is priced by
-    batch and width, `StepOverhead.lookup_by_width`). Excesses are clamped at 0 (a step never
-    costs less than its forward)."""
+    `width`-token verify candidate, `narrow_steps` of a narrower `narrow_width`-token one of the
+    mode's own (then its steps are priced by batch and width, `StepOverhead.verify_by_width`);
+    `lookup_steps` the same of a `lookup_width`-token lookup step, `short_steps` of a narrower
+    `short_width`-token one (`StepOverhead.lookup_by_width`). Excesses are clamped at 0 (a step
+    never costs less than its forward)."""
     ar = {b: max(ms - costs.time_ms(b, 1), 0.0) for b, ms in sorted(ar_steps.items())}
     ov = StepOverhead(ar_ms=ar)
 
@@ -160,10 +165,15 @@ def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dic
     two = bool(lookup_steps and short_steps and short_width != lookup_width)
     if two:
         measured[f"lookup@{short_width}"] = dict(short_steps)
+    two_own = bool(verify_steps and narrow_steps and narrow_width != width)
+    if two_own:
+        measured[f"verify@{narrow_width}"] = dict(narrow_steps)
     return StepOverhead(ar_ms=ar, verify_ms=excess(verify_steps, width),
                         lookup_ms=excess(lookup_steps or {}, lookup_width), measured=measured,
                         lookup_by_width={lookup_width: by_batch(lookup_steps, lookup_width),
-                                         short_width: by_batch(short_steps, short_width)} if two else {})
+                                         short_width: by_batch(short_steps, short_width)} if two else {},
+                        verify_by_width={width: by_batch(verify_steps, width),
+                                         narrow_width: by_batch(narrow_steps, narrow_width)} if two_own else {})
 
 
 def _median_width(cands: list[Candidate], kind: str, wanted) -> Candidate | None:
@@ -176,6 +186,15 @@ def middle_width(cands: list[Candidate], kind: str) -> Candidate | None:
     """The calibration's verify candidate: the median width of the mode's own candidates that
     serve `kind` (its steps' cost beyond the forward, not a lookup step's)."""
     return _median_width(cands, kind, lambda c: c.mode not in PLAN_STEP_MODES)
+
+
+def narrow_own(cands: list[Candidate], kind: str, middle: Candidate | None) -> Candidate | None:
+    """The calibration's second verify candidate, timed at its AR batches: the narrowest of the
+    mode's own candidates that serve `kind`, where narrower than `middle` (a second width: what
+    the mode's step costs with its query tokens on the served path)."""
+    usable = [c for c in cands if c.mode not in PLAN_STEP_MODES and math.isfinite(c.tokens_per_step.get(kind, math.nan))]
+    narrow = min(usable, key=lambda c: c.width, default=None)
+    return narrow if narrow is not None and middle is not None and narrow.width < middle.width else None
 
 
 def short_lookup(cands: list[Candidate], kind: str) -> Candidate | None:
@@ -253,19 +272,20 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
         return _server(model, work, name, max_batch, ["--speculative-algorithm", mode.upper(),
                                                       "--selfspec-config", str(path)])
 
-    ar_one: dict[str, float] = {}  # kind -> AR step ms at batch 1
+    narrows = {kind: narrow_own(cands, kind, chosen[kind]) for kind in chosen}
+    ar_steps: dict[str, dict[int, float]] = {}  # kind -> batch -> AR step ms
     request_costs: dict[str, float] = {}  # kind -> a request's time besides its decode steps
     lookup_steps: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}  # kind -> batch -> step ms
     short_steps: dict[str, dict[int, float]] = {"greedy": {}, "sampled": {}}  # the short lookup's
     with server_threads(threads):
-        with serve("calibration-ar", ar_only_plan(), 1) as server:
+        with serve("calibration-ar", ar_only_plan(), max(ar_batches)) as server:
             _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
             for kind, temp in kinds:
                 if kind in served_kinds:  # a greedy-only mode's sampled rows: greedy's
-                    ar_one[kind] = step_ms(server.base_url, prompt, 1, temp)
+                    ar_steps[kind] = {b: step_ms(server.base_url, prompt, b, temp) for b in [1, *ar_batches]}
                     request_costs[kind] = request_ms(server.base_url, prompt, temp)
                 if progress is not None:
-                    progress.update(1)
+                    progress.update(1 + len(ar_batches))
         if any(lookups.values()):
             # the lookup at the verify batches, the short one at the AR batches
             plan = calibration_plan(ar_batches, verify_batches, lookups["greedy"], lookups["sampled"], between=shorts)
@@ -277,24 +297,22 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
                     if shorts[kind] is not None:
                         short_steps[kind] = {b: step_ms(server.base_url, prompt, b, temp) for b in ar_batches}
         out: dict[str, StepOverhead] = {}
-        plan = calibration_plan(ar_batches, verify_batches, chosen["greedy"], chosen["sampled"])
+        # the mode's own candidate at the verify batches, its narrowest at the AR batches
+        plan = calibration_plan(ar_batches, verify_batches, chosen["greedy"], chosen["sampled"], between=narrows)
         with serve("calibration", plan, max(ar_batches + verify_batches)) as server:
             _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
             for kind, temp in kinds:
-                cand = chosen[kind]
+                cand, narrow = chosen[kind], narrows[kind]
                 if cand is None and kind == "sampled":  # a greedy-only mode: its sampled batches run AR steps
                     out[kind] = StepOverhead(ar_ms=dict(out["greedy"].ar_ms), request_ms=out["greedy"].request_ms)
-                    if progress is not None:
-                        progress.update(len(ar_batches))
                     continue
-                ar = {1: ar_one[kind], **{a: step_ms(server.base_url, prompt, a, temp) for a in ar_batches}}
                 verify = {v: step_ms(server.base_url, prompt, v, temp) for v in verify_batches} if cand else {}
-                if progress is not None:
-                    progress.update(len(ar_batches))
+                narrow_steps = {a: step_ms(server.base_url, prompt, a, temp) for a in ar_batches} if narrow else {}
                 look, short = lookups[kind], shorts[kind]
-                out[kind] = fit_overhead(costs, ar, verify, cand.width if cand is not None else 1,
+                out[kind] = fit_overhead(costs, ar_steps[kind], verify, cand.width if cand is not None else 1,
                                          lookup_steps[kind], look.width if look is not None else 1,
-                                         short_steps[kind], short.width if short is not None else 1)
+                                         short_steps[kind], short.width if short is not None else 1,
+                                         narrow_steps, narrow.width if narrow is not None else 1)
                 out[kind].request_ms = request_costs[kind]
     return out
 

@@ -81,6 +81,11 @@ class StepOverhead:
     # read high by the share it takes of its shorter request time (~5% of a 128-token ISD
     # request at C=1 here)
     request_ms: float = 0.0
+    # the mode's own verify steps timed at two widths, the same way: keyed by total query tokens
+    # alone, the excess measured at 13 tokens (batch 1) priced a 4-token ISD step 1.0 ms dearer
+    # than it served, and the tuner chose AR steps at batch 1 where stride 3 served 1.17x them
+    # (README "Stock AR in the tuner's levels, own steps timed at two widths")
+    verify_by_width: dict[int, dict[int, float]] = field(default_factory=dict)
 
     @staticmethod
     def linear(base_ms: float, per_request_ms: float = 0.0) -> StepOverhead:
@@ -91,9 +96,10 @@ class StepOverhead:
         """A step of `batch` requests, `width` query tokens each; `lookup`: a lookup step (priced
         by `lookup_ms` where it was measured, else as any verify step)."""
         out = _curve(self.ar_ms, batch)
-        if width > 1 and lookup and len(self.lookup_by_width) >= 2:
-            widths = sorted(self.lookup_by_width)
-            out += _interp(widths, [_curve(self.lookup_by_width[w], batch) for w in widths], width)
+        by_width = self.lookup_by_width if lookup else self.verify_by_width
+        if width > 1 and len(by_width) >= 2:
+            widths = sorted(by_width)
+            out += _interp(widths, [_curve(by_width[w], batch) for w in widths], width)
         elif width > 1:
             out += _curve(self.lookup_ms if lookup and self.lookup_ms else self.verify_ms, batch * width)
         return out
@@ -101,7 +107,7 @@ class StepOverhead:
     def to_dict(self) -> dict:
         return {"ar_ms": self.ar_ms, "verify_ms": self.verify_ms, "lookup_ms": self.lookup_ms,
                 "measured_step_ms": self.measured, "lookup_by_width": self.lookup_by_width,
-                "request_ms": self.request_ms}
+                "verify_by_width": self.verify_by_width, "request_ms": self.request_ms}
 
     @staticmethod
     def from_dict(d: dict) -> StepOverhead:
@@ -110,7 +116,8 @@ class StepOverhead:
         return StepOverhead(pts(d.get("ar_ms")), pts(d.get("verify_ms")), pts(d.get("lookup_ms")),
                             {what: pts(m) for what, m in (d.get("measured_step_ms") or {}).items()},
                             {int(w): pts(m) for w, m in (d.get("lookup_by_width") or {}).items()},
-                            float(d.get("request_ms") or 0.0))
+                            float(d.get("request_ms") or 0.0),
+                            {int(w): pts(m) for w, m in (d.get("verify_by_width") or {}).items()})
 
 
 def _curve(points: dict[int, float], x: float) -> float:
