@@ -306,8 +306,12 @@ def _overhead_text(kind: str, ov) -> list[str]:
     def pts(d: dict, unit: str) -> str:
         return ", ".join(f"{v:.1f} ms at {unit} {k}" for k, v in sorted(d.items())) or "none"
 
-    lines = [f"{kind} step cost beyond the forward: every step {pts(ov.ar_ms, 'batch')}",
-             f"  a verify step also {pts(ov.verify_ms, 'query tokens')}"]
+    lines = [f"{kind} step cost beyond the forward: every step {pts(ov.ar_ms, 'batch')}"]
+    if len(ov.verify_by_width) >= 2:
+        lines += [f"  a step of the mode's own of {w} query tokens also {pts(ov.verify_by_width[w], 'batch')}"
+                  for w in sorted(ov.verify_by_width)]
+    else:
+        lines.append(f"  a verify step also {pts(ov.verify_ms, 'query tokens')}")
     if len(ov.lookup_by_width) >= 2:
         lines += [f"  a lookup step of {w} query tokens also {pts(ov.lookup_by_width[w], 'batch')}"
                   for w in sorted(ov.lookup_by_width)]
