@@ -399,7 +399,7 @@ def test_fit_overhead_recovers_the_served_step_cost():
     assert StepOverhead.from_dict(json.loads(json.dumps(ov.to_dict()))) == ov
     # the mode's own steps timed at two widths (a narrow one at the AR batches): priced by batch
     # and width, reproducing both; a 3-token step at batch 1 costs its measured 0.5 ms more than
-    # an AR step, not the 1.0 the 7-token step's excess keyed by query tokens says
+    # an AR step, where the 7-token step's excess keyed by query tokens extrapolates to 0.55
     narrow = {b: costs.time_ms(b, 3) + truth.ms(b) + x for b, x in ((1, 0.5), (8, 1.5), (32, 5.0))}
     ov = fit_overhead(costs, ar, verify, width, look, 9, short, 3, narrow, 3)
     assert ov.verify_by_width[3] == pytest.approx({1: 0.5, 8: 1.5, 32: 5.0})
@@ -407,7 +407,7 @@ def test_fit_overhead_recovers_the_served_step_cost():
         for b, ms in steps.items():
             assert costs.time_ms(b, w) + ov.ms(b, w) == pytest.approx(ms)
     assert ov.ms(1, 3) - truth.ms(1) == pytest.approx(0.5) and ov.measured["verify@3"] == narrow
-    assert fit_overhead(costs, ar, verify, width).ms(1, 3) - truth.ms(1) == pytest.approx(1.0)
+    assert fit_overhead(costs, ar, verify, width).ms(1, 3) - truth.ms(1) == pytest.approx(1.0 - 11 * 2.0 / 49)
     assert StepOverhead.from_dict(json.loads(json.dumps(ov.to_dict()))) == ov
 
 
@@ -469,6 +469,17 @@ def test_served_calibration_times_ar_and_verify_steps(tmp_path, tiny_base_path, 
     for ov in stock.values():
         assert set(ov.measured["ar"]) == {1, 2} and all(ms > 1.0 for ms in ov.measured["ar"].values())
         assert ov.ms(2) == pytest.approx(ov.measured["ar"][2] - costs.time_ms(2, 1)) and ov.request_ms > 1.0
+
+
+def test_stock_ar_of_an_adapter_is_its_base():
+    """The tune's stock AR server serves what the bench's AR row serves: for the RISD adapter
+    its base (served by the adapter's name, it would run RISD: a first RISD tune timed those
+    steps as stock AR's, 10 ms at batch 1, and predicted AR steps 1.8x 'stock AR')."""
+    from selfspec.models import resolve_model
+    from selfspec.tuning.calibrate import stock_ar_model
+
+    assert stock_ar_model("tiny-idlm-lora") == str(resolve_model("tiny-base"))
+    assert stock_ar_model("tiny-idlm") == str(resolve_model("tiny-idlm"))
 
 
 def test_the_demo_says_what_the_plan_runs_at_its_batch_sizes(tmp_path):

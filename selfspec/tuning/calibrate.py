@@ -221,6 +221,14 @@ def _server(model: str, work: Path, name: str, max_batch: int, args: list[str]):
                          log_path=work / f"{name}.log", startup_timeout=900)
 
 
+def stock_ar_model(model: str) -> str:
+    """What the bench's AR row serves for `model`: an adapter-only checkpoint (a RISD gated LoRA)
+    is served as RISD by its name, so its AR row serves the base (`benchmarks.serve`)."""
+    from selfspec.models import resolve_with_adapter
+
+    return str(resolve_with_adapter(model)[0])
+
+
 def stock_ar_overhead(model: str, costs: CostTable, prompt: list[int], batch_sizes: list[int], temperature: float,
                       threads: int = 1, log_dir: str | None = None, progress=None) -> dict[str, StepOverhead]:
     """SGLang's own AR server (no speculative algorithm: the bench's AR row) timed at batch 1 and
@@ -235,7 +243,7 @@ def stock_ar_overhead(model: str, costs: CostTable, prompt: list[int], batch_siz
     work = Path(log_dir or tempfile.mkdtemp(prefix="selfspec-tune-"))
     work.mkdir(parents=True, exist_ok=True)
     out: dict[str, StepOverhead] = {}
-    with server_threads(threads), _server(model, work, "calibration-stock-ar", batches[-1], []) as server:
+    with server_threads(threads), _server(stock_ar_model(model), work, "calibration-stock-ar", batches[-1], []) as server:
         _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
         for kind, temp in (("greedy", 0.0), ("sampled", temperature)):
             steps = {b: step_ms(server.base_url, prompt, b, temp) for b in batches}
