@@ -10,6 +10,7 @@ with one of its plans also gets the predicted speed-up over AR and its error aga
 measured one (`selfspec.benchmarks.predictions`).
 
     python bench/abba_table.py bench/results/serve-greedy-m.json --predictions bench/results/tune-vm-isd-m.json
+    python bench/abba_table.py bench/results/serve-interleaved-u-greedy.json --plot u-greedy.png
 
 Several reports pool: a label's rows in each are runs of it (two `bench serve --interleave`
 runs, whose rows each ran once, give means and a spread this way).
@@ -127,6 +128,42 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict[str, Any], out: str) -> list[str]:
+    """Each row's output tok/s over AR's at each concurrency (a plan's rows, labelled *tuned*,
+    solid; AR and NGRAM dotted; fixed configurations dashed), written to `out`; the labels drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    means = abba_means(report)
+    ar = means.get("ar", {})
+    levels = sorted(c for c in ar if ar[c].get("tok_s"))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    drawn = []
+    for label, by_c in means.items():
+        cs = [c for c in levels if c in by_c]
+        if not cs:
+            continue
+        style = ":" if label in ("ar", "ngram") else "-" if "tuned" in label else "--"
+        ax.plot(cs, [by_c[c]["tok_s"] / ar[c]["tok_s"] for c in cs], style, marker="o", label=label,
+                linewidth=2.2 if "tuned" in label else 1.2)
+        drawn.append(label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tok/s × AR (same run)")
+    temperature = report.get("temperature")
+    ax.set_title(f"{Path(str(report.get('model', ''))).name}, "
+                 + ("greedy" if not temperature else f"T={temperature}"))
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("reports", nargs="+", metavar="REPORT",
@@ -134,6 +171,7 @@ def main() -> None:
     p.add_argument("--predictions", default=None, metavar="TUNE.json",
                    help="a `selfspec tune --json` report: attach its predictions first (as --predictions does)")
     p.add_argument("--markdown", action="store_true", help="the README's table form instead")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="also plot each row's x AR by concurrency")
     args = p.parse_args()
     for path in filter(None, (*args.reports, args.predictions)):
         if not Path(path).is_file():
@@ -152,6 +190,9 @@ def main() -> None:
             predictions.attach(report, tune)
     report = dict(reports[0], results=[row for r in reports for row in r["results"]])
     print(markdown(report) if args.markdown else table(report))
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

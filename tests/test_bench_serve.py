@@ -380,3 +380,16 @@ def test_abba_table_pools_interleaved_runs_and_spreads_their_ratios():
     assert pooled["isd"][1]["spread"] == 0.0 and pooled["ar"][1]["spread"] == pytest.approx(2 / 3)
     assert abba.abba_means(first)["isd"][1]["spread"] is None  # one run: no spread to show
     assert "| 100 |" in abba.markdown(first)
+
+
+def test_abba_table_plots_each_row_over_ar(tmp_path):
+    abba = _bench_script("abba_table")
+
+    def row(label, tok_s):
+        return {"mode": label, "label": label, "status": "ok",
+                "levels": [{"concurrency": c, "output_tok_s": tok_s * c, "tpf": 1.0, "non_loop": None} for c in (1, 4)]}
+
+    report = {"model": "m", "temperature": 0.0, "results": [row("ar", 100.0), row("isd-tuned", 150.0), row("lookup4", 90.0)]}
+    out = tmp_path / "levels.png"
+    assert abba.plot(report, str(out)) == ["ar", "isd-tuned", "lookup4"]
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
