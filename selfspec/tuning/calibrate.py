@@ -162,38 +162,50 @@ def fit_overhead(costs: CostTable, ar_steps: dict[int, float], verify_steps: dic
         measured[f"verify@{width}"] = dict(verify_steps)
     if lookup_steps:
         measured[f"lookup@{lookup_width}"] = dict(lookup_steps)
-    two = bool(lookup_steps and short_steps and short_width != lookup_width)
-    if two:
-        measured[f"lookup@{short_width}"] = dict(short_steps)
-    two_own = bool(verify_steps and narrow_steps and narrow_width != width)
-    if two_own:
-        measured[f"verify@{narrow_width}"] = dict(narrow_steps)
+    def two_widths(what: str, steps: dict[int, float] | None, w: int, second: dict[int, float] | None,
+                   w2: int) -> dict[int, dict[int, float]]:
+        """Width -> batch -> excess where a step was timed at a second width (else none)."""
+        if not (steps and second and w2 != w):
+            return {}
+        measured[f"{what}@{w2}"] = dict(second)
+        return {w: by_batch(steps, w), w2: by_batch(second, w2)}
+
     return StepOverhead(ar_ms=ar, verify_ms=excess(verify_steps, width),
                         lookup_ms=excess(lookup_steps or {}, lookup_width), measured=measured,
-                        lookup_by_width={lookup_width: by_batch(lookup_steps, lookup_width),
-                                         short_width: by_batch(short_steps, short_width)} if two else {},
-                        verify_by_width={width: by_batch(verify_steps, width),
-                                         narrow_width: by_batch(narrow_steps, narrow_width)} if two_own else {})
+                        lookup_by_width=two_widths("lookup", lookup_steps, lookup_width, short_steps, short_width),
+                        verify_by_width=two_widths("verify", verify_steps, width, narrow_steps, narrow_width))
+
+
+def _by_width(cands: list[Candidate], kind: str, wanted) -> list[Candidate]:
+    """The `wanted` candidates that serve `kind`, narrowest first."""
+    return sorted((c for c in cands if wanted(c) and math.isfinite(c.tokens_per_step.get(kind, math.nan))),
+                  key=lambda c: c.width)
+
+
+def _own(c: Candidate) -> bool:
+    return c.mode not in PLAN_STEP_MODES
+
+
+def _one_uncapped_lookup(c: Candidate) -> bool:
+    return c.is_lookup and c.options.get("branches", 1) == 1 and not c.options.get("caps")
 
 
 def _median_width(cands: list[Candidate], kind: str, wanted) -> Candidate | None:
-    usable = sorted((c for c in cands if wanted(c) and math.isfinite(c.tokens_per_step.get(kind, math.nan))),
-                    key=lambda c: c.width)
+    usable = _by_width(cands, kind, wanted)
     return usable[len(usable) // 2] if usable else None
 
 
 def middle_width(cands: list[Candidate], kind: str) -> Candidate | None:
     """The calibration's verify candidate: the median width of the mode's own candidates that
     serve `kind` (its steps' cost beyond the forward, not a lookup step's)."""
-    return _median_width(cands, kind, lambda c: c.mode not in PLAN_STEP_MODES)
+    return _median_width(cands, kind, _own)
 
 
 def narrow_own(cands: list[Candidate], kind: str, middle: Candidate | None) -> Candidate | None:
     """The calibration's second verify candidate, timed at its AR batches: the narrowest of the
     mode's own candidates that serve `kind`, where narrower than `middle` (a second width: what
     the mode's step costs with its query tokens on the served path)."""
-    usable = [c for c in cands if c.mode not in PLAN_STEP_MODES and math.isfinite(c.tokens_per_step.get(kind, math.nan))]
-    narrow = min(usable, key=lambda c: c.width, default=None)
+    narrow = next(iter(_by_width(cands, kind, _own)), None)
     return narrow if narrow is not None and middle is not None and narrow.width < middle.width else None
 
 
@@ -201,17 +213,21 @@ def short_lookup(cands: list[Candidate], kind: str) -> Candidate | None:
     """The lookup step the calibration times at its AR batches: the narrowest one-candidate
     uncapped lookup that serves `kind` (with `lookup_candidate`'s, a second width: what a lookup
     step's cost does with its query tokens on the served path)."""
-    usable = [c for c in cands if c.is_lookup and c.options.get("branches", 1) == 1 and not c.options.get("caps")
-              and math.isfinite(c.tokens_per_step.get(kind, math.nan))]
-    return min(usable, key=lambda c: c.width) if usable else None
+    return next(iter(_by_width(cands, kind, _one_uncapped_lookup)), None)
 
 
 def lookup_candidate(cands: list[Candidate], kind: str) -> Candidate | None:
     """The lookup step the calibration times: the median width of the one-candidate lookups
     that serve `kind`, uncapped (its excess is fitted at its padded width: every request drafts
     it in full)."""
-    return _median_width(cands, kind, lambda c: c.is_lookup and c.options.get("branches", 1) == 1
-                         and not c.options.get("caps"))
+    return _median_width(cands, kind, _one_uncapped_lookup)
+
+
+def _work_dir(log_dir: str | None) -> Path:
+    """Where the calibration servers' plans and logs go."""
+    work = Path(log_dir or tempfile.mkdtemp(prefix="selfspec-tune-"))
+    work.mkdir(parents=True, exist_ok=True)
+    return work
 
 
 def _server(model: str, work: Path, name: str, max_batch: int, args: list[str]):
@@ -240,8 +256,7 @@ def stock_ar_overhead(model: str, costs: CostTable, prompt: list[int], batch_siz
     from selfspec.serving import server_threads
 
     batches = [1, *calibration_batches(batch_sizes)[0]]
-    work = Path(log_dir or tempfile.mkdtemp(prefix="selfspec-tune-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = _work_dir(log_dir)
     out: dict[str, StepOverhead] = {}
     with server_threads(threads), _server(stock_ar_model(model), work, "calibration-stock-ar", batches[-1], []) as server:
         _run(server.base_url, prompt, 1, SHORT, 0.0)  # warm-up
@@ -270,8 +285,7 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
     lookups = {kind: lookup_candidate(cands, kind) if kind in served_kinds else None for kind in ("greedy", "sampled")}
     shorts = {kind: short_lookup(cands, kind) if lookups[kind] is not None else None for kind in lookups}
     shorts = {kind: c if c is not None and c.width < lookups[kind].width else None for kind, c in shorts.items()}
-    work = Path(log_dir or tempfile.mkdtemp(prefix="selfspec-tune-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = _work_dir(log_dir)
     kinds = (("greedy", 0.0), ("sampled", temperature))
 
     def serve(name: str, plan: dict, max_batch: int):
