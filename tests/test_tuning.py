@@ -532,3 +532,73 @@ def test_a_level_replay_thins_the_batch_as_requests_finish():
         1e3 * 400 / (100 * 12 + 4 * 10))
     with pytest.raises(ValueError, match="concurrency"):
         replay_level(flat, lambda b: ar, "greedy", 0, 1, 1)
+
+
+def test_shared_steps_pool_across_the_modes_of_a_model():
+    """`calibrate.pool_shared_steps`: the AR and lookup steps every worker of one model runs alike
+    are priced from the median of the modes' servers (one slow point on SJD's server decided its
+    batch-1 plan); each mode keeps its own steps, an adapter mode is pooled only with its kind,
+    refitting reproduces an unpooled fit, and pooling twice changes nothing."""
+    from selfspec.tuning.calibrate import fit_overhead, pool_shared_steps, refit
+
+    costs = table(lambda b, w: 2.0 + b * w)
+    ar_at = {"isd": 5.7, "jacobi": 5.4, "sjd": 5.6, "risd": 7.0}
+    lookup_at = {"isd": 8.0, "jacobi": 7.7, "sjd": 9.3, "risd": 12.0}
+    own = {"isd": 8.1, "jacobi": 10.4, "sjd": 8.5, "risd": 11.0}
+    overheads = {}
+    for m in ar_at:
+        ar = {1: costs.time_ms(1, 1) + ar_at[m], 8: costs.time_ms(8, 1) + 3.0}
+        verify = {1: costs.time_ms(1, 7) + own[m], 9: costs.time_ms(9, 7) + 9.0}
+        look = {1: costs.time_ms(1, 13) + lookup_at[m], 9: costs.time_ms(9, 13) + 8.0}
+        short = {8: costs.time_ms(8, 5) + 4.0}
+        narrow = {8: costs.time_ms(8, 3) + 3.5}
+        ov = fit_overhead(costs, ar, verify, 7, look, 13, short, 5, narrow, 3)
+        ov.request_ms = {"isd": 20.0, "jacobi": 24.0, "sjd": 30.0, "risd": 40.0}[m]
+        assert refit(costs, ov.measured, ov.request_ms) == ov
+        overheads[m] = {"greedy": ov}
+    overheads["jacobi"]["sampled"] = StepOverhead(ar_ms=dict(overheads["jacobi"]["greedy"].ar_ms))  # greedy-only
+    pooled = pool_shared_steps(costs, overheads, lambda m: m == "risd")
+    plain = [pooled[m]["greedy"] for m in ("isd", "jacobi", "sjd")]
+    for ov in plain:
+        assert ov.ms(1, 13, lookup=True) == pytest.approx(plain[0].ms(1, 13, lookup=True))
+        assert ov.measured["lookup@13"][1] == pytest.approx(costs.time_ms(1, 13) + 8.0)  # the median of 8.0, 7.7, 9.3
+        assert ov.measured["ar"][1] == pytest.approx(costs.time_ms(1, 1) + 5.6) and ov.request_ms == 24.0
+    for m, ov in zip(("isd", "jacobi", "sjd"), plain):
+        assert ov.measured["verify@7"] == overheads[m]["greedy"].measured["verify@7"]  # its own steps stay its own
+    assert pooled["risd"] == overheads["risd"]  # an adapter mode's steps carry its adapter: not pooled with these
+    assert pooled["jacobi"]["sampled"] is overheads["jacobi"]["sampled"]
+    assert pool_shared_steps(costs, pooled, lambda m: m == "risd") == pooled
+
+
+def test_the_widest_bucket_is_settled_by_its_replayed_level():
+    """`level.settle_widest`: steady, a long adaptive draft (a request copying a loop takes 16
+    steps of 9 query tokens, one writing new text 62 of 5) beats a short uniform one (32 and 58
+    steps of 5) at batch 32 by more than the tolerance; but a level of 32 requests at 32 lasts as
+    long as its slowest requests, which the long draft does not speed up, and the short draft's
+    cheaper steps put its replayed level ahead: the widest bucket takes it."""
+    from selfspec.tuning.choose import throughput
+    from selfspec.tuning.level import replay_level, settle_widest
+
+    costs = table(lambda b, w: 4.0 + 0.05 * b * w)
+    long_ = Candidate("ngram", {"num_draft": 8, "adaptive": True}, 9, {"greedy": 256 / 78}, {"greedy": 454 / 78}, True,
+                      {"greedy": [[128, 16, 144], [128, 62, 310]]})
+    short = Candidate("ngram", {"num_draft": 4}, 5, {"greedy": 256 / 90}, {"greedy": 5.0},
+                      per_request={"greedy": [[128, 32, 160], [128, 58, 290]]})
+    cands = [CANDIDATES[0], long_, short]
+    steady = choose(costs, cands, "greedy", 32)
+    assert steady[-1].best is long_
+    assert throughput(costs, long_, "greedy", 32) > 1.035 * throughput(costs, short, "greedy", 32)
+    level = lambda c: replay_level(costs, lambda b: c, "greedy", 32, 32, 128).tok_s  # noqa: E731
+    assert level(short) > 1.02 * level(long_)
+    settled = settle_widest(costs, steady, cands, "greedy", 32, 128)
+    widest = [ch.batch for ch in steady if ch.best is long_]
+    assert widest and widest[-1] == 32
+    assert all(settled[b - 1].best is short for b in widest)
+    assert all(s.best is t.best for s, t in zip(steady, settled) if s.batch < widest[0])  # the rest as chosen
+    # where the long draft speeds up the slowest requests too, its level wins and it stays
+    faster = Candidate("ngram", {"num_draft": 8, "adaptive": True}, 9, {"greedy": 256 / 56}, {"greedy": 344 / 56}, True,
+                       {"greedy": [[128, 16, 144], [128, 40, 200]]})
+    cands = [CANDIDATES[0], faster, short]
+    steady = choose(costs, cands, "greedy", 32)
+    assert steady[-1].best is faster
+    assert [c.best for c in settle_widest(costs, steady, cands, "greedy", 32, 128)] == [c.best for c in steady]

@@ -339,3 +339,61 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
     return out
 
 
+
+
+def refit(costs: CostTable, measured: dict[str, dict[int, float]], request_cost: float = 0.0) -> StepOverhead:
+    """The overhead `fit_overhead` fits from the served steps a `StepOverhead.measured` holds ("ar",
+    "verify@W" at one or two widths, "lookup@W" at one or two: the wider is the candidate timed at
+    the verify batches, the narrower the one at the AR batches)."""
+    def widths(what: str) -> list[int]:
+        return sorted(int(k.split("@", 1)[1]) for k in measured if k.startswith(what + "@"))
+
+    verify, lookup = widths("verify"), widths("lookup")
+
+    def steps(what: str, ws: list[int], wide: bool) -> tuple[dict[int, float] | None, int]:
+        if not ws or (not wide and len(ws) < 2):
+            return None, 1
+        w = ws[-1] if wide else ws[0]
+        return measured[f"{what}@{w}"], w
+
+    (v, vw), (n, nw) = steps("verify", verify, True), steps("verify", verify, False)
+    (look, lw), (short, sw) = steps("lookup", lookup, True), steps("lookup", lookup, False)
+    out = fit_overhead(costs, measured["ar"], v or {}, vw, look, lw, short, sw, n, nw)
+    out.request_ms = request_cost
+    return out
+
+
+#: the steps every worker of one model runs alike, whatever its mode: plain AR steps and lookup
+#: steps (a plan's `mode: ngram` bucket). Adapter modes (RISD) apart: their steps carry the adapter.
+SHARED_STEPS = ("ar", "lookup@")
+
+
+def pool_shared_steps(costs: CostTable, overheads: dict[str, dict[str, StepOverhead]],
+                      group_of) -> dict[str, dict[str, StepOverhead]]:
+    """Each mode's overhead refitted with the AR and lookup steps (and request cost) of every mode
+    of its group (`group_of(mode)`, same model and adapter) pooled: per batch, the median over the
+    modes' servers. Each server times each of these points once, and one slow point decided a plan
+    (SJD's lookup step at batch 1 read 9.3 ms where ISD's and JACOBI's read 8.0 and 7.7, and its
+    sampled batch 1 ran AR steps, served 0.90x the lookups: README "Shared steps pooled").
+    Idempotent: pooled overheads pool to themselves."""
+    out = {m: dict(kinds) for m, kinds in overheads.items()}
+    for kind in {k for kinds in overheads.values() for k in kinds}:
+        groups: dict[object, list[str]] = {}
+        for m, kinds in overheads.items():
+            if kind in kinds and kinds[kind].measured.get("ar"):
+                groups.setdefault(group_of(m), []).append(m)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            pooled: dict[str, dict[int, float]] = {}
+            keys = {k for m in members for k in overheads[m][kind].measured if k.startswith(SHARED_STEPS)}
+            for key in keys:
+                runs = [overheads[m][kind].measured[key] for m in members if key in overheads[m][kind].measured]
+                batches = {b for run in runs for b in run}
+                pooled[key] = {b: statistics.median(run[b] for run in runs if b in run) for b in sorted(batches)}
+            request = statistics.median(overheads[m][kind].request_ms for m in members)
+            for m in members:
+                own = overheads[m][kind].measured
+                measured = {k: (pooled[k] if k in pooled else v) for k, v in own.items()}
+                out[m][kind] = refit(costs, measured, request)
+    return out

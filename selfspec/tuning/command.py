@@ -209,7 +209,7 @@ def _replan(args: argparse.Namespace) -> int:
         table = CostTable(**report["costs"])
         modes = list(report["modes"])
         cands = {m: [Candidate.from_dict(c) for c in report["modes"][m]["candidates"]] for m in modes}
-        overheads = {m: {k: StepOverhead.from_dict(v) for k, v in report["modes"][m]["step_overhead"].items()}
+        overheads = {m: {k: StepOverhead.from_dict(v) for k, v in _measured_alone(report["modes"][m]).items()}
                      for m in modes}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UsageError(f"--replan {args.replan}: {e}") from None
@@ -223,21 +223,32 @@ def _replan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measured_alone(mode_report: dict) -> dict:
+    """A mode's step costs as its own servers measured them (before `pool_shared_steps`)."""
+    return mode_report.get("step_overhead_unpooled") or mode_report["step_overhead"]
+
+
 def _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, host) -> None:
     """Per mode: the plan from the measurements, printed and written as a serving config (and
     into `report`, written to --json)."""
     from selfspec.decoding import registry
     from selfspec.tuning.choose import buckets, choose, servable, throughput
-    from selfspec.tuning.level import plan_levels
+    from selfspec.tuning.level import plan_levels, settle_widest
+
+    from selfspec.tuning.calibrate import pool_shared_steps
 
     report["margin"] = args.margin
     stock = stock_ar_of(report)
+    measured_alone = overheads
+    overheads = pool_shared_steps(table, overheads, lambda m: registry.get(m).needs_adapter)
     print(_cost_text(table))
     for m in modes:
         plan, lines, levels = {}, [], {}
         for kind in ("greedy", "sampled"):
             usable = servable(cands[m], kind, registry.get(m).greedy_only)
             choices = choose(table, usable, kind, batch_sizes[-1], overheads[m][kind], margin=args.margin)
+            choices = settle_widest(table, choices, usable, kind, LEVEL_REQUESTS, args.max_new_tokens,
+                                    overheads[m][kind], margin=args.margin)
             plan[kind] = [b.to_dict() for b in buckets(choices)]
             lines += _overhead_text(kind, overheads[m][kind])
             lines += _choice_text(m, kind, cands[m], choices, batch_sizes)
@@ -257,6 +268,8 @@ def _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, h
                                          for kind, lv in levels.items()},
                               "levels_ar": "stock" if stock else "mode",
                               "step_overhead": {kind: ov[kind].to_dict() for kind in ov},
+                              # each mode's own servers' AR and lookup steps, before pooling
+                              "step_overhead_unpooled": {kind: o.to_dict() for kind, o in measured_alone[m].items()},
                               "predicted": {kind: {str(b): {c.label: _finite(throughput(table, c, kind, b, ov[kind]))
                                                             for c in cands[m]} for b in batch_sizes}
                                             for kind in ov}}

@@ -97,3 +97,33 @@ def plan_levels(costs: CostTable, chosen: list[Candidate], ar: Candidate, kind: 
         out[c] = (replay_level(costs, pick, kind, c, n, tokens, overhead).tok_s,
                   replay_level(costs, lambda b: ar, kind, c, n, tokens, ar_overhead or overhead).tok_s)
     return out
+
+
+def settle_widest(costs: CostTable, choices: list, candidates: list[Candidate], kind: str, requests: int, tokens: int,
+                  overhead: StepOverhead | None = None, tolerance: float = 0.03, margin: float = 0.0) -> list:
+    """`choose.choose`'s choices with the widest bucket (the run of batches up to the largest that
+    share its candidate) chosen again by the level it serves, replayed at the largest batch: the
+    narrowest candidate within `tolerance` of the best level (AR steps' level raised by `margin`).
+    The steady-state choice prices a full batch for ever; a level at that batch thins as requests
+    finish and its slowest requests, which set its length, gain least from long drafts (at
+    batch 32 an 8-token adaptive lookup was priced 8% ahead of a 4-token one steady and level
+    with it replayed; served, the 4-token one was 5% faster: README "Shared steps pooled")."""
+    from selfspec.tuning.choose import Choice
+
+    top = len(choices)
+    lo = top
+    while lo > 1 and choices[lo - 2].best is choices[top - 1].best:
+        lo -= 1
+    below = [ch.best for ch in choices[: lo - 1]]
+
+    def level(cand: Candidate) -> float:
+        pick = lambda b: cand if b >= lo else below[b - 1]  # noqa: E731
+        tok_s = replay_level(costs, pick, kind, top, max(requests, top), tokens, overhead).tok_s
+        return tok_s * (1.0 + margin if cand.mode == "ar" else 1.0)
+
+    usable = [c for c in candidates if math.isfinite(choices[-1].tokens_per_s.get(c.label, math.nan))]
+    scores = {c.label: level(c) for c in usable}
+    best = max(scores.values())
+    pick = min((c for c in usable if scores[c.label] >= (1.0 - tolerance) * best),
+               key=lambda c: (c.priced_width(kind), -scores[c.label]))
+    return [*choices[: lo - 1], *(Choice(ch.batch, pick, ch.tokens_per_s) for ch in choices[lo - 1:])]
