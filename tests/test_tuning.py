@@ -65,6 +65,18 @@ def test_a_near_tie_goes_to_the_narrower():
     assert [c.best.width for c in picked] == [7, 5, 5]
     assert [c.best.width for c in choose(costs, [CANDIDATES[0], narrow, wide], "greedy", 3, tolerance=0.0,
                                          margin=0.0)] == [7, 5, 7]
+    # a ragged lookup padded to 17 that sends 7 real tokens a step, 1% ahead of a 12-token one
+    # that sends 9: the near-tie goes to the fewer padded tokens (the ragged step pays for its
+    # widest request in parts), the real tokens deciding only between equal paddings
+    flat = CostTable([1, 4], [1, 16], [[10.0, 10.0], [10.0, 10.0]])
+    capped = Candidate("ngram", {"num_draft": 12, "caps": True}, 13, {"greedy": 5.0}, {"greedy": 9.0}, True)
+    adaptive = Candidate("ngram", {"num_draft": 16, "caps": True, "adaptive": True}, 17, {"greedy": 5.05},
+                         {"greedy": 7.0}, True)
+    assert adaptive.priced_width("greedy") < capped.priced_width("greedy")
+    assert [c.best for c in choose(flat, [CANDIDATES[0], adaptive, capped], "greedy", 4)] == [capped] * 4
+    same_pad = Candidate("ngram", {"num_draft": 12, "caps": True, "adaptive": True}, 13, {"greedy": 4.98},
+                         {"greedy": 7.0}, True)
+    assert [c.best for c in choose(flat, [CANDIDATES[0], adaptive, capped, same_pad], "greedy", 4)] == [same_pad] * 4
 
 
 def test_speculation_must_beat_ar_by_the_margin():

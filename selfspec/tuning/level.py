@@ -108,7 +108,7 @@ def settle_widest(costs: CostTable, choices: list, candidates: list[Candidate], 
     finish and its slowest requests, which set its length, gain least from long drafts (at
     batch 32 an 8-token adaptive lookup was priced 8% ahead of a 4-token one steady and level
     with it replayed; served, the 4-token one was 5% faster: README "Shared steps pooled")."""
-    from selfspec.tuning.choose import Choice
+    from selfspec.tuning.choose import Choice, narrowest
 
     top = len(choices)
     lo = top
@@ -124,6 +124,6 @@ def settle_widest(costs: CostTable, choices: list, candidates: list[Candidate], 
     usable = [c for c in candidates if math.isfinite(choices[-1].tokens_per_s.get(c.label, math.nan))]
     scores = {c.label: level(c) for c in usable}
     best = max(scores.values())
-    pick = min((c for c in usable if scores[c.label] >= (1.0 - tolerance) * best),
-               key=lambda c: (c.priced_width(kind), -scores[c.label]))
+    pick = narrowest([c for c in usable if scores[c.label] >= (1.0 - tolerance) * best], kind,
+                     lambda c: scores[c.label])
     return [*choices[: lo - 1], *(Choice(ch.batch, pick, ch.tokens_per_s) for ch in choices[lo - 1:])]
