@@ -614,3 +614,35 @@ def test_the_widest_bucket_is_settled_by_its_replayed_level():
     steady = choose(costs, cands, "greedy", 32)
     assert steady[-1].best is faster
     assert [c.best for c in settle_widest(costs, steady, cands, "greedy", 32, 128)] == [c.best for c in steady]
+
+
+def test_replan_pools_shared_steps_and_keeps_each_modes_own(tmp_path):
+    """`selfspec tune --replan` of a two-mode report: the written report prices both modes' lookup
+    steps from the median of their servers and keeps what each server measured
+    (`step_overhead_unpooled`), from which a replan of the replan plans the same."""
+    from selfspec.cli import main
+    from selfspec.tuning.calibrate import fit_overhead
+
+    costs = table(lambda b, w: 2.0 + b * w)
+    lookup = Candidate("ngram", {"num_draft": 12}, 13, {"greedy": 4.0, "sampled": 1.5})
+    modes = {}
+    for mode, slow in (("isd", 0.5), ("sjd", 2.5), ("jacobi", 1.0)):
+        ar = {1: costs.time_ms(1, 1) + 2.0, 8: costs.time_ms(8, 1) + 3.0}
+        look = {1: costs.time_ms(1, 13) + slow, 9: costs.time_ms(9, 13) + 4.0}
+        ov = fit_overhead(costs, ar, {}, 1, look, 13).to_dict()
+        modes[mode] = {"candidates": [c.to_dict() for c in (CANDIDATES[0], lookup)],
+                       "step_overhead": {"greedy": ov, "sampled": ov}}
+    report = {"schema": "selfspec.tune/v1", "model": "tiny-idlm", "host": "h", "threads": 1, "dtype": "float32",
+              "temperature": 0.7, "costs": costs.to_dict(), "modes": modes}
+    (tmp_path / "tune.json").write_text(json.dumps(report))
+    for src, dst in (("tune.json", "again.json"), ("again.json", "thrice.json")):
+        assert main(["tune", "--replan", str(tmp_path / src), "--out", str(tmp_path / "p-{mode}.yaml"),
+                     "--json", str(tmp_path / dst)]) == 0
+    again, thrice = (json.loads((tmp_path / f).read_text())["modes"] for f in ("again.json", "thrice.json"))
+    for mode in modes:
+        pooled = StepOverhead.from_dict(again[mode]["step_overhead"]["greedy"])
+        assert pooled.measured["lookup@13"][1] == pytest.approx(costs.time_ms(1, 13) + 1.0)  # median of 0.5, 2.5, 1.0
+        kept = {k: StepOverhead.from_dict(v) for k, v in again[mode]["step_overhead_unpooled"].items()}
+        assert kept == {k: StepOverhead.from_dict(v) for k, v in modes[mode]["step_overhead"].items()}
+        assert thrice[mode]["step_overhead"] == again[mode]["step_overhead"]
+        assert thrice[mode]["plan"] == again[mode]["plan"]
