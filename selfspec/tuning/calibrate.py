@@ -40,6 +40,7 @@ import statistics
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -369,7 +370,7 @@ SHARED_STEPS = ("ar", "lookup@")
 
 
 def pool_shared_steps(costs: CostTable, overheads: dict[str, dict[str, StepOverhead]],
-                      group_of) -> dict[str, dict[str, StepOverhead]]:
+                      group_of: Callable[[str], Hashable]) -> dict[str, dict[str, StepOverhead]]:
     """Each mode's overhead refitted with the AR and lookup steps (and request cost) of every mode
     of its group (`group_of(mode)`, same model and adapter) pooled: per batch, the median over the
     modes' servers. Each server times each of these points once, and one slow point decided a plan
@@ -378,7 +379,7 @@ def pool_shared_steps(costs: CostTable, overheads: dict[str, dict[str, StepOverh
     Idempotent: pooled overheads pool to themselves."""
     out = {m: dict(kinds) for m, kinds in overheads.items()}
     for kind in {k for kinds in overheads.values() for k in kinds}:
-        groups: dict[object, list[str]] = {}
+        groups: dict[Hashable, list[str]] = {}
         for m, kinds in overheads.items():
             if kind in kinds and kinds[kind].measured.get("ar"):
                 groups.setdefault(group_of(m), []).append(m)

@@ -31,6 +31,8 @@ from selfspec.tuning.cost import CostTable, StepOverhead
 #: 0.10 until sampled lookups the tuner put 17% ahead of AR steps at batch 4 served 0.98x stock AR
 #: (README "AR steps on the verify path"): sampled speculation is the most over-predicted.
 MARGIN = 0.15
+#: how close to the best a candidate must be predicted to count as a near-tie (`narrowest`)
+TOLERANCE = 0.03
 
 
 @dataclass
@@ -52,7 +54,7 @@ def throughput(costs: CostTable, cand: Candidate, kind: str, batch: int,
 
 
 def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: int,
-           overhead: StepOverhead | None = None, tolerance: float = 0.03, margin: float = MARGIN) -> list[Choice]:
+           overhead: StepOverhead | None = None, tolerance: float = TOLERANCE, margin: float = MARGIN) -> list[Choice]:
     """The chosen candidate at every batch size 1 … max_batch: the narrowest predicted within
     `tolerance` of the best, AR's prediction raised by `margin` first (so AR steps win unless a
     candidate is predicted (1 + margin) / (1 − tolerance) times as fast)."""

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from selfspec.tuning.acceptance import Candidate
+from selfspec.tuning.choose import TOLERANCE, Choice, narrowest
 from selfspec.tuning.cost import CostTable, StepOverhead
 
 
@@ -99,8 +100,9 @@ def plan_levels(costs: CostTable, chosen: list[Candidate], ar: Candidate, kind: 
     return out
 
 
-def settle_widest(costs: CostTable, choices: list, candidates: list[Candidate], kind: str, requests: int, tokens: int,
-                  overhead: StepOverhead | None = None, tolerance: float = 0.03, margin: float = 0.0) -> list:
+def settle_widest(costs: CostTable, choices: list[Choice], candidates: list[Candidate], kind: str, requests: int,
+                  tokens: int, overhead: StepOverhead | None = None, tolerance: float = TOLERANCE,
+                  margin: float = 0.0) -> list[Choice]:
     """`choose.choose`'s choices with the widest bucket (the run of batches up to the largest that
     share its candidate) chosen again by the level it serves, replayed at the largest batch: the
     narrowest candidate within `tolerance` of the best level (AR steps' level raised by `margin`).
@@ -108,8 +110,6 @@ def settle_widest(costs: CostTable, choices: list, candidates: list[Candidate], 
     finish and its slowest requests, which set its length, gain least from long drafts (at
     batch 32 an 8-token adaptive lookup was priced 8% ahead of a 4-token one steady and level
     with it replayed; served, the 4-token one was 5% faster: README "Shared steps pooled")."""
-    from selfspec.tuning.choose import Choice, narrowest
-
     top = len(choices)
     lo = top
     while lo > 1 and choices[lo - 2].best is choices[top - 1].best:
