@@ -340,25 +340,17 @@ def server_overhead(model: str, mode: str, costs: CostTable, cands: list[Candida
     return out
 
 
-
-
 def refit(costs: CostTable, measured: dict[str, dict[int, float]], request_cost: float = 0.0) -> StepOverhead:
     """The overhead `fit_overhead` fits from the served steps a `StepOverhead.measured` holds ("ar",
     "verify@W" at one or two widths, "lookup@W" at one or two: the wider is the candidate timed at
     the verify batches, the narrower the one at the AR batches)."""
-    def widths(what: str) -> list[int]:
-        return sorted(int(k.split("@", 1)[1]) for k in measured if k.startswith(what + "@"))
+    def wide_and_narrow(what: str) -> tuple[tuple[dict[int, float] | None, int], tuple[dict[int, float] | None, int]]:
+        ws = sorted(int(k.split("@", 1)[1]) for k in measured if k.startswith(what + "@"))
+        at = lambda w: (measured[f"{what}@{w}"], w)  # noqa: E731
+        return (at(ws[-1]) if ws else (None, 1)), (at(ws[0]) if len(ws) > 1 else (None, 1))
 
-    verify, lookup = widths("verify"), widths("lookup")
-
-    def steps(what: str, ws: list[int], wide: bool) -> tuple[dict[int, float] | None, int]:
-        if not ws or (not wide and len(ws) < 2):
-            return None, 1
-        w = ws[-1] if wide else ws[0]
-        return measured[f"{what}@{w}"], w
-
-    (v, vw), (n, nw) = steps("verify", verify, True), steps("verify", verify, False)
-    (look, lw), (short, sw) = steps("lookup", lookup, True), steps("lookup", lookup, False)
+    (v, vw), (n, nw) = wide_and_narrow("verify")
+    (look, lw), (short, sw) = wide_and_narrow("lookup")
     out = fit_overhead(costs, measured["ar"], v or {}, vw, look, lw, short, sw, n, nw)
     out.request_ms = request_cost
     return out
@@ -395,6 +387,6 @@ def pool_shared_steps(costs: CostTable, overheads: dict[str, dict[str, StepOverh
             request = statistics.median(overheads[m][kind].request_ms for m in members)
             for m in members:
                 own = overheads[m][kind].measured
-                measured = {k: (pooled[k] if k in pooled else v) for k, v in own.items()}
+                measured = {k: pooled.get(k, v) for k, v in own.items()}
                 out[m][kind] = refit(costs, measured, request)
     return out

@@ -20,6 +20,7 @@ greedy-only mode never serves them).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from selfspec.decoding.width_plan import PlanBucket
@@ -31,7 +32,7 @@ from selfspec.tuning.cost import CostTable, StepOverhead
 #: 0.10 until sampled lookups the tuner put 17% ahead of AR steps at batch 4 served 0.98x stock AR
 #: (README "AR steps on the verify path"): sampled speculation is the most over-predicted.
 MARGIN = 0.15
-#: how close to the best a candidate must be predicted to count as a near-tie (`narrowest`)
+#: how close to the best a candidate must be predicted to count as a near-tie (`pick`)
 TOLERANCE = 0.03
 
 
@@ -64,24 +65,23 @@ def choose(costs: CostTable, candidates: list[Candidate], kind: str, max_batch: 
         usable = [c for c in candidates if math.isfinite(scores[c.label])]
         if not usable:
             raise ValueError(f"no candidate can serve {kind} batches")
-
-        def ranked(c: Candidate) -> float:  # AR steps get the benefit of the doubt
-            return scores[c.label] * (1.0 + margin if c.mode == "ar" else 1.0)
-
-        top = max(ranked(c) for c in usable)
-        near = [c for c in usable if ranked(c) >= (1.0 - tolerance) * top]
-        out.append(Choice(b, narrowest(near, kind, ranked), scores))
+        out.append(Choice(b, pick(usable, kind, lambda c: scores[c.label], tolerance, margin), scores))
     return out
 
 
-def narrowest(near: list[Candidate], kind: str, score) -> Candidate:
-    """The near-tie a plan takes: the fewest padded query tokens, then the fewest real ones, then
-    the best `score`. Padded first: a ragged step pays for its widest request in parts (the
-    attention groups, the logits and verify rules over the padded block), which steps of
-    identical calibration requests never show; by real tokens alone, the 16-token capped lookups
-    won batch 4's near-tie over the 12-token one and served 5-8% slower than it (README
-    "Shared steps pooled")."""
-    return min(near, key=lambda c: (c.width, c.priced_width(kind), -score(c)))
+def pick(usable: list[Candidate], kind: str, score: Callable[[Candidate], float], tolerance: float = TOLERANCE,
+         margin: float = MARGIN) -> Candidate:
+    """The candidate a plan takes by `score` (higher is better): AR steps' raised by `margin` (they
+    get the benefit of the doubt), then of those within `tolerance` of the best the fewest padded
+    query tokens, then the fewest real ones, then the best score. Padded first: a ragged step pays
+    for its widest request in parts (the attention groups, the logits and verify rules over the
+    padded block), which steps of identical calibration requests never show; by real tokens
+    alone, the 16-token capped lookups won batch 4's near-tie over the 12-token one and served
+    5-8% slower than it (README "Shared steps pooled")."""
+    ranked = {c.label: score(c) * (1.0 + margin if c.mode == "ar" else 1.0) for c in usable}
+    top = max(ranked.values())
+    near = [c for c in usable if ranked[c.label] >= (1.0 - tolerance) * top]
+    return min(near, key=lambda c: (c.width, c.priced_width(kind), -ranked[c.label]))
 
 
 def servable(candidates: list[Candidate], kind: str, greedy_only: bool) -> list[Candidate]:

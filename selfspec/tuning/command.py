@@ -232,10 +232,9 @@ def _plan_and_write(modes, table, cands, overheads, batch_sizes, args, report, h
     """Per mode: the plan from the measurements, printed and written as a serving config (and
     into `report`, written to --json)."""
     from selfspec.decoding import registry
+    from selfspec.tuning.calibrate import pool_shared_steps
     from selfspec.tuning.choose import buckets, choose, servable, throughput
     from selfspec.tuning.level import plan_levels, settle_widest
-
-    from selfspec.tuning.calibrate import pool_shared_steps
 
     report["margin"] = args.margin
     stock = stock_ar_of(report)

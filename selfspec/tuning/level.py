@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from selfspec.tuning.acceptance import Candidate
-from selfspec.tuning.choose import TOLERANCE, Choice, narrowest
+from selfspec.tuning.choose import MARGIN, TOLERANCE, Choice, pick
 from selfspec.tuning.cost import CostTable, StepOverhead
 
 
@@ -102,10 +102,10 @@ def plan_levels(costs: CostTable, chosen: list[Candidate], ar: Candidate, kind: 
 
 def settle_widest(costs: CostTable, choices: list[Choice], candidates: list[Candidate], kind: str, requests: int,
                   tokens: int, overhead: StepOverhead | None = None, tolerance: float = TOLERANCE,
-                  margin: float = 0.0) -> list[Choice]:
+                  margin: float = MARGIN) -> list[Choice]:
     """`choose.choose`'s choices with the widest bucket (the run of batches up to the largest that
-    share its candidate) chosen again by the level it serves, replayed at the largest batch: the
-    narrowest candidate within `tolerance` of the best level (AR steps' level raised by `margin`).
+    share its candidate) chosen again by the level it serves, replayed at the largest batch, by the
+    rule every choice follows (`choose.pick`).
     The steady-state choice prices a full batch for ever; a level at that batch thins as requests
     finish and its slowest requests, which set its length, gain least from long drafts (at
     batch 32 an 8-token adaptive lookup was priced 8% ahead of a 4-token one steady and level
@@ -117,13 +117,9 @@ def settle_widest(costs: CostTable, choices: list[Choice], candidates: list[Cand
     below = [ch.best for ch in choices[: lo - 1]]
 
     def level(cand: Candidate) -> float:
-        pick = lambda b: cand if b >= lo else below[b - 1]  # noqa: E731
-        tok_s = replay_level(costs, pick, kind, top, max(requests, top), tokens, overhead).tok_s
-        return tok_s * (1.0 + margin if cand.mode == "ar" else 1.0)
+        run = lambda b: cand if b >= lo else below[b - 1]  # noqa: E731
+        return replay_level(costs, run, kind, top, max(requests, top), tokens, overhead).tok_s
 
     usable = [c for c in candidates if math.isfinite(choices[-1].tokens_per_s.get(c.label, math.nan))]
-    scores = {c.label: level(c) for c in usable}
-    best = max(scores.values())
-    pick = narrowest([c for c in usable if scores[c.label] >= (1.0 - tolerance) * best], kind,
-                     lambda c: scores[c.label])
-    return [*choices[: lo - 1], *(Choice(ch.batch, pick, ch.tokens_per_s) for ch in choices[lo - 1:])]
+    widest = pick(usable, kind, level, tolerance, margin)
+    return [*choices[: lo - 1], *(Choice(ch.batch, widest, ch.tokens_per_s) for ch in choices[lo - 1:])]
