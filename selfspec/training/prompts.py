@@ -6,15 +6,33 @@ boundary, and end at a line end, so they look like what a code model is asked to
 starts with the original cut (three per file, 64 minus the 5 texts that two files share; the
 recipes' measurements use the first 64), then more cuts of the same files, so a benchmark whose
 concurrency levels need more than 64 requests still never repeats a prompt.
+
+`python -m selfspec.training.prompts --split --out bench/prompts` writes the benchmarks' two
+disjoint sets, `tune.jsonl` and `eval.jsonl` (`split_of` says which file feeds which).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
 from selfspec.training.corpus import load_stdlib_split
+
+
+def _cut_at(lines: list[str], start: int, max_chars: int) -> str | None:
+    """The whole lines from `start` that fit in `max_chars`; None when that is under 40 characters."""
+    text = ""
+    for line in lines[start:]:
+        if len(text) + len(line) > max_chars:
+            break
+        text += line
+    return text if len(text) >= 40 else None
+
+
+def _starts(lines: list[str]) -> list[int]:
+    return [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))]
 
 
 def heldout_prompts(count: int = 64, max_chars: int = 320, per_file: int = 3) -> list[str]:
@@ -22,15 +40,11 @@ def heldout_prompts(count: int = 64, max_chars: int = 320, per_file: int = 3) ->
     prompts: list[str] = []
     for f in sorted(split.heldout, key=lambda f: f.relpath):
         lines = f.text.splitlines(keepends=True)
-        starts = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))]
+        starts = _starts(lines)
         taken = 0
         for i in starts[:: max(1, len(starts) // per_file) or 1]:
-            text = ""
-            for line in lines[i:]:
-                if len(text) + len(line) > max_chars:
-                    break
-                text += line
-            if len(text) >= 40:
+            text = _cut_at(lines, i, max_chars)
+            if text is not None:
                 prompts.append(text)
                 taken += 1
             if taken >= per_file:
@@ -53,16 +67,58 @@ def benchmark_prompts(count: int = 128) -> list[str]:
     return first + [more[i * len(more) // need] for i in range(need)] if need > 0 else first
 
 
+SPLITS = ("tune", "eval")
+SPLIT_COUNT = 160  # per set: 4 concurrency levels x 32 distinct prompts, and the demo's burst
+
+
+def split_of(relpath: str) -> str:
+    """`tune` or `eval` for a held-out file: the sha256 of its path as an integer (the number
+    `corpus.is_heldout` takes modulo 100), divided by 100, even -> tune, odd -> eval. A whole
+    file goes to one side, so the two sets share no source text."""
+    return SPLITS[(int(hashlib.sha256(relpath.encode()).hexdigest(), 16) // 100) % 2]
+
+
+def _cuts(text: str, max_chars: int) -> list[str]:
+    """One prompt at every `def` / `class` start of a file."""
+    lines = text.splitlines(keepends=True)
+    return [c for c in (_cut_at(lines, i, max_chars) for i in _starts(lines)) if c is not None]
+
+
+def split_prompts(split: str, count: int = SPLIT_COUNT, max_chars: int = 320) -> list[str]:
+    """Up to `count` prompts of one side of the held-out files, each text once and none that a
+    file of the other side also holds (the encodings modules share text), the files taken in
+    turn so that any prefix of the list mixes many of them."""
+    files = sorted(load_stdlib_split().heldout, key=lambda f: f.relpath)
+    cuts = {f.relpath: _cuts(f.text, max_chars) for f in files}
+    other = {c for f in files if split_of(f.relpath) != split for c in cuts[f.relpath]}
+    seen: set[str] = set()
+    per_file: list[list[str]] = []
+    for f in files:
+        if split_of(f.relpath) == split:
+            mine = [c for c in cuts[f.relpath] if c not in other and c not in seen]
+            seen.update(mine)
+            per_file.append(mine)
+    out: list[str] = []
+    for turn in range(max((len(c) for c in per_file), default=0)):
+        out += [c[turn] for c in per_file if turn < len(c)]
+    return out[:count]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--count", type=int, default=128, help="prompts to write")
+    parser.add_argument("--out", required=True, help="the file to write, or with --split the folder (tune.jsonl, "
+                        "eval.jsonl)")
+    parser.add_argument("--count", type=int, default=None, help="prompts to write (per set with --split)")
+    parser.add_argument("--split", action="store_true", help="write the disjoint tune and eval sets (`split_of`)")
     args = parser.parse_args()
-    prompts = benchmark_prompts(args.count)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    print(f"wrote {len(prompts)} prompts to {out}")
+    sets = ({name: split_prompts(name, args.count or SPLIT_COUNT) for name in SPLITS} if args.split
+            else {out.stem: benchmark_prompts(args.count or 128)})
+    for name, prompts in sets.items():
+        path = out / f"{name}.jsonl" if args.split else out
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        print(f"wrote {len(prompts)} prompts to {path}")
 
 
 if __name__ == "__main__":
