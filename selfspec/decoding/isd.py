@@ -70,6 +70,8 @@ class ISDConfig:
     context_corpus: bool = True
     # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`; off: it did not pay served)
     context_caps: bool = False
+    # > 0: a candidate is at most this many times as long as its match (`ngram.SuffixIndex`)
+    context_length_factor: float = 0.0
     # sampled decoding: proposals "sample"d from the MASK rows' distribution q and verified
     # against that q (accepted with probability sum min(p, q)), or "argmax" proposals (the I-DLM
     # paper's). Greedy rows propose by argmax either way; sampling measured higher acceptance
@@ -89,6 +91,8 @@ class ISDConfig:
         if self.context_tokens < 0:
             raise ValueError(f"context_tokens must be >= 0 (0 = off), got {self.context_tokens}")
         self.context_match_sizes = match_sizes(self.context_match_sizes, "ISD context_match_sizes")
+        if self.context_length_factor < 0:
+            raise ValueError(f"ISD context_length_factor must be >= 0 (0 = off), got {self.context_length_factor}")
         if self.proposal not in ("argmax", "sample"):
             raise ValueError(f"ISD proposal must be 'argmax' or 'sample', got {self.proposal!r}")
 
@@ -150,8 +154,9 @@ class ISDMode(Mode):
         self.seeds_per_step = self.verify_seeds + (n1 if config.proposal == "sample" else 0)
         self.max_width = 1 + 2 * n1 + (k + (n1 if config.context_tail else 0) if k else 0)
         # stride 1: the lookup step, run by the one implementation of it
-        self.lookup = (NgramMode(NgramConfig(k, config.context_match_sizes, config.context_corpus, config.context_caps),
-                                 corpus, tau=config.tau) if config.stride == 1 else None)
+        self.lookup = (NgramMode(NgramConfig(k, config.context_match_sizes, config.context_corpus, config.context_caps,
+                                             length_factor=config.context_length_factor), corpus, tau=config.tau)
+                       if config.stride == 1 else None)
 
     def start(self, seq: DecodeSequence) -> None:
         if self.lookup is not None:

@@ -90,6 +90,8 @@ class JacobiConfig:
     context_corpus: bool = True
     # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`; off: it did not pay served)
     context_caps: bool = False
+    # > 0: a candidate is at most this many times as long as its match (`ngram.SuffixIndex`)
+    context_length_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -107,6 +109,8 @@ class JacobiConfig:
         if self.context_tokens < 0:
             raise ValueError(f"JACOBI context_tokens must be >= 0 (0 = off), got {self.context_tokens}")
         self.context_match_sizes = match_sizes(self.context_match_sizes, "JACOBI context_match_sizes")
+        if self.context_length_factor < 0:
+            raise ValueError(f"JACOBI context_length_factor must be >= 0 (0 = off), got {self.context_length_factor}")
 
     @property
     def spawn_threshold(self) -> int:

@@ -18,6 +18,7 @@ candidate (`width_plan.CandidateWatch`) reads this one alike.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,10 @@ WEAK_MATCH_CAPS: dict[tuple[bool, int], int] = {
     (False, 1): 2, (False, 2): 4, (False, 3): 6, (False, 4): 8, (False, 6): 12,
 }
 
+#: The most tokens of history a match is followed back (`match_length`): a loop this long is
+#: certain enough for any draft length served
+MAX_MATCH_LENGTH = 256
+
 #: Lookups a candidate chains when a continuation ends early (the match sat at the end of a
 #: document another request is still writing): the next one starts from history + candidate.
 CHAIN_LOOKUPS = 4
@@ -78,6 +83,9 @@ class NgramConfig:
     # 2: a second candidate from another place the suffix occurred (`SuffixIndex.alternative`),
     # verified as a second branch of the step's tree where it differs from the first
     branches: int = 1
+    # > 0: a draft is at most this many times as long as its match (SuffixDecoding's
+    # max_spec_factor): a match followed back through a loop drafts long, a short one short
+    length_factor: float = 0.0
 
     def __post_init__(self) -> None:
         self.match_sizes = match_sizes(self.match_sizes, "ngram match_sizes")
@@ -85,6 +93,8 @@ class NgramConfig:
             raise ValueError(f"ngram needs num_draft >= 1, got {self.num_draft}")
         if self.branches not in (1, 2):
             raise ValueError(f"ngram branches must be 1 or 2, got {self.branches}")
+        if self.length_factor < 0:
+            raise ValueError(f"ngram length_factor must be >= 0 (0 = off), got {self.length_factor}")
 
     # the names of the other modes' context-candidate options (see module doc)
     @property
@@ -103,6 +113,10 @@ class NgramConfig:
     def context_caps(self) -> bool:
         return self.caps
 
+    @property
+    def context_length_factor(self) -> float:
+        return self.length_factor
+
 
 def lagged_copy(history: list[int], lag: int, k: int) -> list[int]:
     """The k tokens after `history` if it repeated itself with period `lag`: token t is token
@@ -117,17 +131,31 @@ def lagged_copy(history: list[int], lag: int, k: int) -> list[int]:
     return out
 
 
+def match_length(context: list[int], end: int, hit: int, m: int, most: int) -> int:
+    """How far the match of the m tokens ending at `end` with those ending at `hit` (< end)
+    runs back (at most `most`): m, plus each earlier token that equals its counterpart."""
+    n = m
+    while n < most and hit - n >= 0 and context[end - n] == context[hit - n]:
+        n += 1
+    return n
+
+
 class SuffixIndex:
     """Latest end position of every m-gram of a growing token list, for each m in sizes; with a
     `SharedCorpus`, also the sequence's document there (`corpus.py`), searched after its own
     history at each suffix length."""
 
     def __init__(self, sizes: tuple[int, ...], corpus: SharedCorpus | None = None, seq: DecodeSequence | None = None,
-                 weak_caps: dict[tuple[bool, int], int] | None = None, keep_previous: bool = False):
+                 weak_caps: dict[tuple[bool, int], int] | None = None, keep_previous: bool = False,
+                 length_factor: float = 0.0):
         """`keep_previous`: also index each m-gram's occurrence before its latest (for
-        `alternative`; off, the indexing of every new token stays one dict write per length)."""
+        `alternative`; off, the indexing of every new token stays one dict write per length).
+        `length_factor` > 0: a draft is at most that many times as long as its match (the match
+        in the own history followed back token by token, `match_length`; one in the corpus is
+        its suffix)."""
         self.sizes = sizes
         self.weak_caps = weak_caps or {}
+        self.length_factor = length_factor
         self.last_end: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in sizes}
         self.prev_end: dict[int, dict[tuple[int, ...], int]] | None = {m: {} for m in sizes} if keep_previous else None
         self.indexed = 0  # m-grams ending before this position are indexed
@@ -160,14 +188,17 @@ class SuffixIndex:
             if have < end:
                 self.corpus.append(self.doc, history[have:end])
         corpus = self.corpus if shared else None
-        out, match = self._lookup(history, k, corpus)
+        most = math.ceil(k / self.length_factor) if self.length_factor > 0 else 0
+        out, match, length = self._lookup(history, k, corpus, most)
         if match is not None:  # a weak match drafts a short candidate (`WEAK_MATCH_CAPS`)
             k = min(k, self.weak_caps.get(match, k))
+            if self.length_factor > 0:
+                k = min(k, max(1, int(self.length_factor * length)))
             out = out[:k]
         for _ in range(CHAIN_LOOKUPS - 1):
             if not out or len(out) >= k:
                 break
-            more, _ = self._lookup(history + out, k - len(out), corpus)
+            more, _, _ = self._lookup(history + out, k - len(out), corpus)
             if not more:
                 break
             out += more
@@ -197,11 +228,12 @@ class SuffixIndex:
                     return cand
         return []
 
-    def _lookup(self, context: list[int], k: int, corpus: SharedCorpus | None
-                ) -> tuple[list[int], tuple[bool, int] | None]:
+    def _lookup(self, context: list[int], k: int, corpus: SharedCorpus | None, most: int = 0
+                ) -> tuple[list[int], tuple[bool, int] | None, int]:
         """Up to k tokens after the longest suffix of `context` that occurred earlier: in the
-        indexed own history (ending before its last token), else in the corpus; and the match
-        (in the own history, suffix length), None when there was none."""
+        indexed own history (ending before its last token), else in the corpus; the match (in
+        the own history, suffix length), None when there was none; and the match's length,
+        followed back up to `most` tokens in the own history (`match_length`)."""
         end = len(context) - 1
         for m in self.sizes:
             if end - m + 1 < 0:
@@ -209,12 +241,13 @@ class SuffixIndex:
             suffix = tuple(context[end - m + 1 : end + 1])
             hit = self.last_end[m].get(suffix)
             if hit is not None:
-                return lagged_copy(context, end - hit, k), (True, m)
+                length = match_length(context, end, hit, m, most) if most > m else m
+                return lagged_copy(context, end - hit, k), (True, m), length
             if corpus is not None:
                 found = corpus.continuation(suffix, k, exclude=self.doc)
                 if found:
-                    return found, (False, m)
-        return [], None
+                    return found, (False, m), m
+        return [], None, 0
 
 
 def context_index(seq: DecodeSequence, config, corpus: SharedCorpus | None,
@@ -224,7 +257,8 @@ def context_index(seq: DecodeSequence, config, corpus: SharedCorpus | None,
     if not config.context_tokens:
         return None
     return SuffixIndex(config.context_match_sizes, corpus if config.context_corpus else None, seq,
-                       WEAK_MATCH_CAPS if config.context_caps else None, keep_previous)
+                       WEAK_MATCH_CAPS if config.context_caps else None, keep_previous,
+                       config.context_length_factor)
 
 
 def propose_ngram(history: list[int], k: int, sizes: tuple[int, ...] = (3, 2)) -> list[int]:

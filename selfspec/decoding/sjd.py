@@ -54,6 +54,8 @@ class SJDConfig:
     context_corpus: bool = True
     # weak matches draft short candidates (`ngram.WEAK_MATCH_CAPS`; off: it did not pay served)
     context_caps: bool = False
+    # > 0: a candidate is at most this many times as long as its match (`ngram.SuffixIndex`)
+    context_length_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -63,6 +65,8 @@ class SJDConfig:
         if self.context_tokens < 0:
             raise ValueError(f"SJD context_tokens must be >= 0 (0 = off), got {self.context_tokens}")
         self.context_match_sizes = match_sizes(self.context_match_sizes, "SJD context_match_sizes")
+        if self.context_length_factor < 0:
+            raise ValueError(f"SJD context_length_factor must be >= 0 (0 = off), got {self.context_length_factor}")
 
 
 @dataclass
