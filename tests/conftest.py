@@ -138,3 +138,20 @@ def _micro_config(micro_dir, data_file, out, **kw):
                 eval_tokens=768, threads=2, progress_bar=False, checkpoint_dir=str(Path(out) / "ckpt"))
     base.update(kw)
     return IDLMConfig(**base)
+
+
+@pytest.fixture
+def buckets_used(monkeypatch):
+    """(batch size, bucket mode object) of every step a width plan's mode runs."""
+    import selfspec.decoding.width_plan as width_plan
+
+    seen: list = []
+    original = width_plan.PlannedMode.layouts
+
+    def spy(self, seqs):
+        out = original(self, seqs)
+        seen.append((len(seqs), self.current))
+        return out
+
+    monkeypatch.setattr(width_plan.PlannedMode, "layouts", spy)
+    return seen

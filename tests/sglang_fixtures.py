@@ -89,6 +89,20 @@ def internal_state(base_url: str) -> dict:
     return states[0]
 
 
+def check_default_speculates(base_url: str) -> dict:
+    """After a server of a mode at its default policy has answered greedy requests one at a time
+    and in a burst: its greedy steps speculated (the policy's own steps or lookup steps, not
+    silently plain AR steps), lookup steps served the burst, and more than one token came per
+    forward. Read from /server_info (the worker's own counts), not from the log."""
+    state = internal_state(base_url)["selfspec"]
+    assert state["policy"] == "auto" and state["plan"] is not None, state
+    kinds = {k: v["tokens"] for k, v in state["steps_by_kind"].items()}
+    speculated = kinds.get("own", 0) + kinds.get("lookup", 0)
+    assert speculated > 0.5 * sum(kinds.values()) and kinds.get("lookup", 0) > 0, kinds
+    assert state["tokens_per_forward"] > 1.2, state
+    return kinds
+
+
 def tokens_in_use(base_url: str) -> int:
     """KV tokens held by requests (running + cached prefixes locked by them). The tests run with
     --disable-radix-cache, so finished requests hold nothing: 0 when idle."""

@@ -76,13 +76,46 @@ def test_algorithms_registered_with_complete_spec_class():
         assert callable(algo.create_future_map)
 
 
-def test_defaults_and_width(tiny_base_path):
-    sa = _resolve(tiny_base_path, "--speculative-algorithm", "ISD")
-    assert sa.speculative_num_draft_tokens == 7  # 2N-1 with the default N = 4
+def _published(monkeypatch, model, *extra):
+    """(the resolved server arguments, the selfspec configuration the launcher publishes)."""
+    from selfspec.sglang_ext import config as cfgmod
+
+    seen = []
+    monkeypatch.setattr(cfgmod, "publish", seen.append)
+    sa = _resolve(model, *extra)
+    return sa, seen[-1]
+
+
+def test_the_default_is_the_built_in_policy_and_its_width_the_widest_bucket(tiny_base_path, monkeypatch):
+    """No plan file: the built-in policy, whose widest step (the own step with its 32-token
+    candidate) sets the verify width; options the user gives go to the own step; `own` runs
+    the mode alone at its options."""
+    sa, cfg = _published(monkeypatch, tiny_base_path, "--speculative-algorithm", "ISD")
+    assert sa.speculative_num_draft_tokens == 35  # stride 2: 1 + 2 (proposal, MASK) + 32-token candidate
+    assert cfg.policy == "auto" and cfg.sources["plan"] == "built-in policy auto"
+    assert [b["mode"] for b in cfg.plan["greedy"]] == ["isd", "ngram", "ngram"]
     sa = _resolve(tiny_base_path, "--speculative-algorithm", "SJD", "--selfspec-options", "window=6")
-    assert sa.speculative_num_draft_tokens == 7
+    assert sa.speculative_num_draft_tokens == 1 + 6 + 32  # the user's window in the own step
     assert sa.disable_overlap_schedule is True
     assert sa.enable_mixed_chunk is False
+    sa, cfg = _published(monkeypatch, tiny_base_path, "--speculative-algorithm", "ISD", "--selfspec-policy", "own")
+    assert sa.speculative_num_draft_tokens == 7  # the mode alone: 2N-1 with the default N = 4
+    assert cfg.plan is None and cfg.policy == "own"
+    sa = _resolve(tiny_base_path, "--speculative-algorithm", "JACOBI", "--selfspec-policy", "ar")
+    assert sa.speculative_num_draft_tokens == 1
+
+
+@pytest.mark.parametrize("yaml_text, problem", [
+    ("mode: ISD\npolicy: {name: auto, own_max_batch: -2}\n", "policy option own_max_batch=-2"),
+    ("mode: ISD\npolicy: {fast: true}\n", "unknown policy option"),
+    ("mode: ISD\npolicy: own\nplan:\n  greedy: [{max_batch: null, mode: ar}]\n", "replaces the built-in policy"),
+    ("mode: ISD\nplan:\n  greedy: [{max_batch: null, mode: sjd, window: 2}]\n", "a isd plan runs isd, ar, ngram"),
+    ("mode: SJD\nplan:\n  greedy: [{max_batch: null, mode: ar}]\n", "is a SJD preset but --speculative-algorithm is ISD"),
+])
+def test_a_bad_policy_or_a_plan_for_another_mode_fails_at_start_up(tmp_path, tiny_base_path, yaml_text, problem):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml_text)
+    assert problem in _fails(tiny_base_path, "--speculative-algorithm", "ISD", "--selfspec-config", str(cfg))
 
 
 def test_presets_parse_and_apply(tiny_base_path):
@@ -130,7 +163,7 @@ def test_checkpoint_metadata_supplies_defaults(tmp_path, tiny_base_path):
     d = tmp_path / "idlm"
     shutil.copytree(tiny_base_path, d)
     (d / "selfspec.json").write_text(json.dumps({"mode": "isd", "stride": 5, "mask_token_id": 1}))
-    sa = _resolve(d, "--speculative-algorithm", "ISD")
+    sa = _resolve(d, "--speculative-algorithm", "ISD", "--selfspec-policy", "own")
     assert sa.speculative_num_draft_tokens == 9
 
 
@@ -141,8 +174,8 @@ def test_stride_out_of_range(tiny_base_path):
 
 
 def test_stride_one_with_a_candidate_is_a_lookup_step(tiny_base_path):
-    sa = _resolve(tiny_base_path, "--speculative-algorithm", "ISD", "--selfspec-stride", "1",
-                  "--selfspec-mask-token-id", "1", "--selfspec-options", "context_tokens=8")
+    sa = _resolve(tiny_base_path, "--speculative-algorithm", "ISD", "--selfspec-stride", "1", "--selfspec-policy",
+                  "own", "--selfspec-mask-token-id", "1", "--selfspec-options", "context_tokens=8")
     assert sa.speculative_num_draft_tokens == 9  # [pending, 8-token candidate]
 
 
@@ -197,7 +230,7 @@ def test_risd_adapter_of_another_base(tiny_base_path, other_base_adapter):
 
 def test_risd_adapter_of_this_base_resolves(tiny_base_path, good_adapter):
     sa = _resolve(tiny_base_path, "--speculative-algorithm", "RISD", "--selfspec-lora", str(good_adapter))
-    assert sa.speculative_num_draft_tokens == 7
+    assert sa.speculative_num_draft_tokens == 35  # the built-in policy's own step, as ISD's
 
 
 def test_width_larger_than_kv_reservation(tiny_base_path):

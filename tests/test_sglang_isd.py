@@ -1,7 +1,8 @@
 """ISD served by stock SGLang through the selfspec plugin (`--speculative-algorithm ISD`).
 
 One ISD server (module scope) on tiny-base: its tokenizer has a [MASK] token, so ISD runs on it
-losslessly even though the untrained mask embedding proposes poorly. It verifies context n-gram
+losslessly even though the untrained mask embedding proposes poorly. It runs ISD alone on every
+step (`--selfspec-policy own`; the default policy is served by the JACOBI and RISD modules). It verifies context n-gram
 candidates beside the proposals (`context_tokens=4`), so steps with and without a candidate
 branch both run through the worker; from the request's own text only (`context_corpus=false`), so
 that each request takes the forwards the reference engine takes (the corpus across requests is
@@ -35,6 +36,7 @@ ISD_OPTIONS = {"stride": 3, "context_tokens": 4, "context_corpus": False}
 # the aggregate log line and gauges every 2 steps (default 40): the metrics test sees its own steps
 # flushed whichever test ran before it
 server = mode_server_fixture("isd", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3", "--enable-metrics",
+                                     "--selfspec-policy", "own",
                                      "--selfspec-options", "context_tokens=4,context_corpus=false"],
                              env={"SELFSPEC_LOG_EVERY": "2"}, default_path=True)
 

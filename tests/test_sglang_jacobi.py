@@ -38,6 +38,14 @@ def test_jacobi_greedy_equals_ar_burst_and_kv_released(server, heldout_ids, ar_r
     assert wait_tokens_zero(server.base_url) == 0
 
 
+def test_jacobis_default_policy_speculates(server):
+    """The server runs JACOBI's default policy (no plan file; the options above go to its own
+    step): after the sequential and burst passes, its greedy tokens came from speculative steps."""
+    from sglang_fixtures import check_default_speculates
+
+    check_default_speculates(server.base_url)
+
+
 def test_jacobi_refuses_sampling(server, heldout_ids):
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
     with pytest.raises(openai.APIStatusError) as info:

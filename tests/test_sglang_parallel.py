@@ -11,7 +11,10 @@ Per server (ISD, RISD, JACOBI, SJD at `--tp-size 2`; ISD at `--dp-size 2`, see C
   change the count), and RISD's sharded adapter proposes exactly what the whole adapter does.
   Context candidates come from the request's own text here (`context_corpus=false`): a server's
   corpus of earlier requests is not the reference engine's (it is tested on one process, in
-  `test_sglang_sjd.py`; every rank feeds its corpus the same steps in the same order);
+  `test_sglang_sjd.py`; every rank feeds its corpus the same steps in the same order). Each
+  server runs its mode alone (`--selfspec-policy own`): the default policy's buckets follow the
+  batch, which a burst does not fix step by step; under tensor parallelism its run-time check
+  is off (`worker.timing_check_allowed`), so every rank follows the plan as written;
 - seeded sampled requests equal the reference engine's run of the same seed: every rank draws the
   same numbers (the seed is derived from the request, never from a rank's own RNG);
 - the server-wide metrics summed over the data-parallel ranks are the per-request numbers summed
@@ -36,15 +39,15 @@ pytestmark = pytest.mark.server
 
 #: name -> (model as a user names it, SGLang arguments, the HF engine's mode and options)
 MODES = {
-    "isd": ("tiny-base", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3",
+    "isd": ("tiny-base", ["--speculative-algorithm", "ISD", "--selfspec-policy", "own", "--selfspec-stride", "3",
                           "--selfspec-options", "context_tokens=4,context_corpus=false"],
             ("isd", {"stride": 3, "context_tokens": 4, "context_corpus": False})),
-    "risd": ("tiny-idlm-lora", [], ("risd", {})),
-    "jacobi": ("tiny-base", ["--speculative-algorithm", "JACOBI", "--selfspec-options",
+    "risd": ("tiny-idlm-lora", ["--selfspec-policy", "own"], ("risd", {})),
+    "jacobi": ("tiny-base", ["--speculative-algorithm", "JACOBI", "--selfspec-policy", "own", "--selfspec-options",
                              "block_size=8,max_blocks=2,verify_size=3,ngram_size=4,context_tokens=7,context_corpus=false"],
                ("jacobi", {"block_size": 8, "max_blocks": 2, "verify_size": 3, "ngram_size": 4,
                            "context_tokens": 7, "context_corpus": False})),
-    "sjd": ("tiny-base", ["--speculative-algorithm", "SJD", "--selfspec-options",
+    "sjd": ("tiny-base", ["--speculative-algorithm", "SJD", "--selfspec-policy", "own", "--selfspec-options",
                           "window=4,history_offset=8,context_tokens=4,context_corpus=false"],
             ("sjd", {"window": 4, "history_offset": 8, "context_tokens": 4, "context_corpus": False})),
 }

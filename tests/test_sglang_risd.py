@@ -46,6 +46,14 @@ def test_risd_greedy_equals_base_ar_burst_and_kv_released(server, heldout_ids, a
     assert wait_tokens_zero(server.base_url) == 0
 
 
+def test_risds_default_policy_speculates(server):
+    """No plan file, no options: RISD's default policy; after the greedy passes above its tokens
+    came from speculative steps."""
+    from sglang_fixtures import check_default_speculates
+
+    check_default_speculates(server.base_url)
+
+
 def test_risd_sampling_matches_the_ar_servers_sampling(server, ar_reference):
     check_sampling_matches_ar(server.base_url, ar_reference)
 

@@ -1,6 +1,7 @@
 """SJD served by stock SGLang, with context candidates (from every request served: the corpus):
 greedy SJD equals AR; sampled SJD follows the AR server's sampling distribution and is
-seed-reproducible."""
+seed-reproducible. SJD alone on every step (`--selfspec-policy own`): its sampled steps are what
+is tested here (the default policy serves sampled batches with AR steps)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from sglang_fixtures import (
 
 pytestmark = pytest.mark.server
 
-server = mode_server_fixture("sjd", ["--speculative-algorithm", "SJD", "--selfspec-options", "window=4,history_offset=8,context_tokens=4"])
+server = mode_server_fixture("sjd", ["--speculative-algorithm", "SJD", "--selfspec-policy", "own",
+                                     "--selfspec-options", "window=4,history_offset=8,context_tokens=4"])
 
 
 def test_sjd_greedy_equals_ar_sequential(server, heldout_ids, ar_reference):

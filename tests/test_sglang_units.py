@@ -400,3 +400,14 @@ def test_verify_plan_is_built_once_per_forward_and_never_reused_across_forwards(
     (part,) = plan.parts
     assert plan is not first and plan.kv_max == 7 + 3 and part.slots.shape == (2 * (7 + 3),)
     assert torch.equal(part.slots.view(2, 10)[1], req_to_token[1, :10].long())
+
+
+def test_tensor_parallel_ranks_follow_the_plan_as_written():
+    """The run-time check chooses steps by each process's own clock; tensor-parallel ranks must
+    run the same step, so with --tp-size > 1 it is off (data-parallel ranks are independent)."""
+    from types import SimpleNamespace
+
+    from selfspec.sglang_ext.worker import timing_check_allowed
+
+    assert timing_check_allowed(SimpleNamespace(tp_size=1, dp_size=2))
+    assert not timing_check_allowed(SimpleNamespace(tp_size=2, dp_size=1))

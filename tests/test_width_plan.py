@@ -9,7 +9,6 @@ from collections import Counter
 
 import pytest
 
-import selfspec.decoding.width_plan as width_plan
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.decoding.width_plan import WidthPlan
 from selfspec.engines.hf import HFEngine
@@ -21,21 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 128
 MAX_NEW = 24
-
-
-@pytest.fixture
-def buckets_used(monkeypatch):
-    """(batch size, bucket mode object) of every planned step."""
-    seen: list = []
-    original = width_plan.PlannedMode.layouts
-
-    def spy(self, seqs):
-        out = original(self, seqs)
-        seen.append((len(seqs), self.current))
-        return out
-
-    monkeypatch.setattr(width_plan.PlannedMode, "layouts", spy)
-    return seen
 
 
 @pytest.fixture(scope="module")
@@ -153,25 +137,56 @@ def test_online_check_runs_the_faster_arm_and_follows_a_change():
     assert other[50:].count("plan") > 0.8 * 50  # (probes of AR aside)
 
 
+def _drive(mode, seqs, rates: dict[str, tuple[int, float]], steps: int = 120) -> list[str]:
+    """The arm names a planned mode chooses when each arm's step emits and takes `rates[name]`."""
+    from selfspec.decoding.step import StepOutcome
+
+    chosen = []
+    for _ in range(steps):
+        m = mode.choose(seqs)
+        chosen.append(m.name)
+        emitted, seconds = rates[m.name]
+        mode.observe([StepOutcome([0] * emitted, list(range(emitted)))] * len(seqs), seconds)
+    return chosen
+
+
 def test_planned_mode_falls_back_to_ar_steps_where_they_are_measured_faster(setup):
-    from selfspec.decoding.step import DecodeSequence, StepOutcome
+    from selfspec.decoding.step import DecodeSequence
 
     engine = setup[0]
     mode = engine.build_mode("isd", None, [{"max_batch": None, "stride": 3}])
-    seqs = [DecodeSequence([1, 2, 3], SamplingParams(temperature=0.7)) for _ in range(4)]
-    chosen = []
-    for _ in range(120):
-        m = mode.choose(seqs)
-        chosen.append(m.name)
-        # ISD: 2 tokens per request in 30 ms; AR: 1 token in 10 ms
-        emitted, seconds = (2, 0.03) if m.name != "ar" else (1, 0.01)
-        mode.observe([StepOutcome([0] * emitted, list(range(emitted)))] * len(seqs), seconds)
+    greedy = [DecodeSequence([1, 2, 3]) for _ in range(4)]
+    # ISD: 2 tokens per request in 30 ms; AR: 1 token in 10 ms
+    chosen = _drive(mode, greedy, {"isd": (2, 0.03), "ar": (1, 0.01)})
     assert chosen[0] == "isd" and chosen[-40:].count("ar") > 30
+    # sampled batches follow the plan alone: a timing-chosen arm would make a seeded request's
+    # output depend on the machine's load
+    sampled = [DecodeSequence([1, 2, 3], SamplingParams(temperature=0.7)) for _ in range(4)]
+    assert set(_drive(mode, sampled, {"isd": (2, 0.03), "ar": (1, 0.01)})) == {"isd"}
     assert WidthPlan.from_dict({"greedy": PLANS["isd"], "online": False}, "isd").online is None
     off = engine.build_mode("isd", None, {"greedy": PLANS["isd"], "online": False})
     assert off.check is None
     with pytest.raises(ValueError, match="unknown key"):
         WidthPlan.from_dict({"greedy": PLANS["isd"], "online": {"every": 3}}, "isd")
+
+
+def test_the_check_serves_the_candidate_alone_where_the_modes_own_proposals_do_not_pay(setup):
+    """A bucket running the mode's own step with a context candidate has a third arm, that
+    candidate alone (a lookup step): measured faster, it serves; measured slower, the plan does."""
+    from selfspec.decoding.ngram import NgramMode
+    from selfspec.decoding.step import DecodeSequence
+
+    engine = setup[0]
+    greedy = [DecodeSequence([1, 2, 3]) for _ in range(2)]
+    mode = engine.build_mode("isd", None, [{"max_batch": None, "stride": 2, "context_tokens": 8}])
+    (lookup,) = mode.lookup_modes.values()
+    assert isinstance(lookup, NgramMode) and lookup.config.num_draft == 8
+    chosen = _drive(mode, greedy, {"isd": (3, 0.03), "ngram": (3, 0.02), "ar": (1, 0.01)}, 300)
+    assert {"isd", "ngram", "ar"} <= set(chosen[:40]) and chosen[-100:].count("ngram") > 80
+    mode = engine.build_mode("isd", None, [{"max_batch": None, "stride": 2, "context_tokens": 8}])
+    chosen = _drive(mode, greedy, {"isd": (3, 0.02), "ngram": (3, 0.03), "ar": (1, 0.01)}, 300)
+    assert chosen[-100:].count("isd") > 80
+    assert not engine.build_mode("isd", None, [{"max_batch": None, "stride": 2}]).lookup_modes  # no candidate
 
 
 @pytest.mark.parametrize("decay, keeps_plan", [(None, True), (0.8, False)])

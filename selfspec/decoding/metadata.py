@@ -196,6 +196,21 @@ def weights_sha256(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A cheap fingerprint of a checkpoint's weights, for what is measured on one model (a width
+    plan): sha256 over each *.safetensors file's name, size and first MiB (weights of another
+    training run differ there; reading every byte of a large model at each start-up would not pay)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}:".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
 def resolve_mask_token_id(
     explicit: int | None = None, metadata: SelfspecMetadata | None = None, tokenizer: Any = None
 ) -> int | None:

@@ -54,6 +54,9 @@ class ModeSpec:
     metadata_fields: tuple[str, ...] = ()
     #: served by SGLang itself under this algorithm name (the NGRAM baseline)
     builtin_sglang_algorithm: str | None = None
+    #: the mode's own step in the built-in policy's small-batch buckets (`policy.py`), beside
+    #: the context candidate the policy adds; options the user sets win over these
+    policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def greedy_only(self) -> bool:
@@ -74,6 +77,14 @@ class ModeSpec:
 
 
 _ISD_FIELDS = ("stride", "mask_token_id")
+#: stride 2 (3 query tokens besides the candidate) at small batches: measured on the tune prompts
+#: (docs: the policy's measurements) against strides 3 and 4
+_ISD_POLICY = {"stride": 2, "context_tail": False}
+#: a 4-token block and no pool candidates beside the context candidate: on tiny-idlm's tune
+#: prompts 583 / 954 tok/s at C = 1 / 2 against 556 / 855 with the mode's defaults (8, 4 pool
+#: candidates); a lookup step of the candidate alone read 676 / 1021, which the run-time check
+#: serves where it is measured faster (a Jacobi-Forcing-trained model's blocks may pay)
+_JACOBI_POLICY = {"block_size": 4, "verify_size": 0}
 
 _SPECS = (
     ModeSpec("ar", "plain autoregressive decoding, one token per forward (the baseline)", None, ARMode,
@@ -82,13 +93,15 @@ _SPECS = (
              NgramConfig, NgramMode, lambda cfg, res: NgramMode(cfg, res.corpus), sglang_algorithm=None, builtin_sglang_algorithm="NGRAM"),
     ModeSpec("isd", "introspective strided decoding: verify last step's [MASK] proposals, propose N new ones",
              ISDConfig, ISDMode, lambda cfg, res: ISDMode(cfg, res.mask_token_id, gated=False, corpus=res.corpus), sglang_algorithm="ISD",
-             needs_mask_token=True, checkpoint_kind="idlm", metadata_fields=_ISD_FIELDS),
+             needs_mask_token=True, checkpoint_kind="idlm", metadata_fields=_ISD_FIELDS, policy_options=_ISD_POLICY),
     ModeSpec("risd", "ISD with a LoRA adapter gated on at [MASK] positions only: the base model's exact output",
              ISDConfig, ISDMode, lambda cfg, res: ISDMode(cfg, res.mask_token_id, gated=True, corpus=res.corpus), sglang_algorithm="RISD",
-             needs_mask_token=True, needs_adapter=True, checkpoint_kind="adapter", metadata_fields=_ISD_FIELDS),
+             needs_mask_token=True, needs_adapter=True, checkpoint_kind="adapter", metadata_fields=_ISD_FIELDS,
+             policy_options=_ISD_POLICY),
     ModeSpec("jacobi", "greedy Jacobi decoding of n-token blocks with rejection-recycling candidates (lossless)",
              JacobiConfig, JacobiMode, lambda cfg, res: JacobiMode(cfg, res.vocab_size, res.corpus), sglang_algorithm="JACOBI",
-             needs_vocab_size=True, metadata_fields=("block_size", "max_blocks", "spawn_ratio", "verify_size")),
+             needs_vocab_size=True, metadata_fields=("block_size", "max_blocks", "spawn_ratio", "verify_size"),
+             policy_options=_JACOBI_POLICY),
     ModeSpec("sjd", "speculative Jacobi decoding: W drafts verified with the p/q rule (keeps the sampling law)",
              SJDConfig, SJDMode, lambda cfg, res: SJDMode(cfg, res.corpus), sglang_algorithm="SJD"),
 )
@@ -241,8 +254,15 @@ def build_planned(mode: str, base_options: dict[str, Any], plan: Any,
             return build(bucket.mode, parse_mode_config(bucket.mode, bucket.options or None), resources)
         return build(spec.name, parse_mode_config(spec.name, {**base_options, **bucket.options}), resources)
 
-    return PlannedMode(plan, [one(b) for b in plan.greedy], [one(b) for b in plan.sampled], spec.name,
-                       ar_mode=build("ar", None, resources))
+    greedy, sampled = [one(b) for b in plan.greedy], [one(b) for b in plan.sampled]
+    lookups = {}  # the check's third arm, for greedy batches (sampled ones follow the plan alone)
+    for m in greedy:
+        cfg = getattr(m, "config", None)
+        if m.name == spec.name and getattr(cfg, "context_tokens", 0) > 0:  # the candidate alone
+            lookups[id(m)] = build("ngram", NgramConfig(cfg.context_tokens, cfg.context_match_sizes, cfg.context_corpus,
+                                                        cfg.context_caps, length_factor=cfg.context_length_factor),
+                                   resources)
+    return PlannedMode(plan, greedy, sampled, spec.name, ar_mode=build("ar", None, resources), lookup_modes=lookups)
 
 
 def unpadded(mode: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -18,8 +18,10 @@ The plan is a prediction; `OnlineCheck` verifies it while serving. The serving e
 each step's wall-clock period (`PlannedMode.observe`; the offline engine does not, so its
 choices stay a function of the batch alone); per batch-size class the check keeps the
 measured rate (tokens per second per request, over the last ~100 steps of the class) of the
-bucket's mode and of plain AR steps, runs the faster one and now and then probes the other for a
-few steps, the more rarely the further the running one leads. A plan whose speculation does not
+bucket's mode, of plain AR steps and, where the bucket runs the mode's own step with a context
+candidate, of that candidate alone (a lookup step: whether the mode's own proposals pay for
+their query tokens depends on the model), runs the fastest and now and then probes another for
+a few steps, the more rarely the further the running one leads. A plan whose speculation does not
 pay on the machine it runs on (the cost model mispredicted, the load is not the tuner's) then
 falls back to AR steps by measurement, at the price of the probes.
 
@@ -170,82 +172,97 @@ class _Arm:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+#: the arms a key may run: the plan's bucket, the lookup step of the bucket's own candidate
+#: (where the bucket runs the mode's own step with one), plain AR steps
+ARMS = ("plan", "lookup", "ar")
+
+
 class OnlineCheck:
-    """For each key (sampled or not, batch-size class): which of the plan's mode ("plan") and
-    plain AR steps ("ar") runs, from their measured rates (see module doc). Starts with the
-    plan and probes AR early, so a wrong plan is left within a few dozen steps."""
+    """For each key (sampled or not, batch-size class): which arm runs, from their measured
+    rates (see module doc): the plan's mode ("plan"), plain AR steps ("ar") and, where the plan
+    runs the mode's own step with a context candidate, that candidate alone ("lookup": whether
+    the mode's own proposals pay for their query tokens depends on the model, which a policy
+    written without measuring cannot know). Starts with the plan and probes the other arms
+    early, so a wrong plan is left within a few dozen steps."""
 
     def __init__(self, config: OnlineCheckConfig):
         self.config = config
         self._arms: dict[Any, dict[str, _Arm]] = {}
         self._best: dict[Any, str] = {}
         self._since_probe: dict[Any, int] = {}
-        self._probing: dict[Any, int] = {}  # steps left in the current probe
+        self._probing: dict[Any, tuple[str, int]] = {}  # the arm being probed and its steps left
         self._observed: dict[Any, int] = {}  # observations per key
         self.switches = 0  # times the faster arm changed
         self.observations = 0
         self.watch_probes = 0  # plan probes a `CandidateWatch` started
 
-    def arm(self, key: Any) -> str:
-        """The arm the next step of this key runs (and the probe schedule advanced)."""
+    def arm(self, key: Any, arms: tuple[str, ...] = ("plan", "ar")) -> str:
+        """The arm the next step of this key runs among `arms` (and the probe schedule advanced)."""
         cfg = self.config
         best = self._best.setdefault(key, "plan")
-        arms = self._arms.setdefault(key, {"plan": _Arm(), "ar": _Arm()})
-        other = "ar" if best == "plan" else "plan"
-        if self._probing.get(key, 0) > 0:
-            self._probing[key] -= 1
-            return other
+        stats = self._arms.setdefault(key, {})
+        for a in arms:
+            stats.setdefault(a, _Arm())
+        probing, left = self._probing.get(key, ("", 0))
+        if left > 0 and probing in arms:
+            self._probing[key] = (probing, left - 1)
+            return probing
+        others = [a for a in arms if a != best]
+        if best not in arms or not others:
+            return best if best in arms else arms[0]
+        # the arm to probe next: one never measured, else the one measured longest ago
+        target = min(others, key=lambda a: (stats[a].known, stats[a].last))
         since = self._since_probe.get(key, 0) + 1
-        if arms[other].known:
+        if stats[target].known:
             # the further ahead the running arm, the less a probe can find and the more it costs:
             # probe every probe_every steps at parity, up to 4x as rarely
-            lead = arms[best].rate / arms[other].rate if arms[other].rate > 0 else _MAX_PROBE_STRETCH
+            other = stats[target].rate
+            lead = stats[best].rate / other if other > 0 else _MAX_PROBE_STRETCH
             wait = int(cfg.probe_every * min(max(lead, 1.0), _MAX_PROBE_STRETCH))
         else:
             wait = 2 * cfg.probe_steps
         if since > wait:
             self._since_probe[key] = 0
-            self._probing[key] = cfg.probe_steps - 1
-            return other
+            self._probing[key] = (target, cfg.probe_steps - 1)
+            return target
         self._since_probe[key] = since
         return best
 
     def probe_plan(self, key: Any) -> str:
-        """Run the plan from this step on: a probe of it now where AR is the faster arm (its
-        usual length), the end of an AR probe otherwise."""
-        if self._best.get(key, "plan") == "ar":
-            self._probing[key] = self.config.probe_steps - 1
+        """Run the plan from this step on: a probe of it now where another arm is the faster
+        (its usual length), the end of a probe otherwise."""
+        if self._best.get(key, "plan") != "plan":
+            self._probing[key] = ("plan", self.config.probe_steps - 1)
             self._since_probe[key] = 0
         else:
-            self._probing[key] = 0
+            self._probing[key] = ("", 0)
         self.watch_probes += 1
         return "plan"
 
     def observe(self, key: Any, arm: str, tokens_per_request: float, seconds: float) -> None:
         self.observations += 1
         count = self._observed[key] = self._observed.get(key, 0) + 1
-        a = self._arms.setdefault(key, {"plan": _Arm(), "ar": _Arm()})[arm]
+        stats = self._arms.setdefault(key, {})
+        a = stats.setdefault(arm, _Arm())
         # the past fades per step of the key, not per step of the arm: a probe's fresh steps
         # outweigh what the arm measured dozens of steps ago (the text has changed since)
         d = self.config.decay ** (count - a.last)
         a.tokens = d * a.tokens + tokens_per_request
         a.seconds = d * a.seconds + seconds
         a.last = count
-        plan, ar = self._arms[key]["plan"], self._arms[key]["ar"]
-        if not (plan.known and ar.known):
-            return
         best = self._best.get(key, "plan")
-        m = 1 + self.config.margin
-        new = "ar" if ar.rate > plan.rate * m else "plan" if plan.rate > ar.rate * m else best
-        if new != best:
-            self._best[key] = new
+        known = {name: s.rate for name, s in stats.items() if s.known}
+        if best not in known or len(known) < 2:
+            return
+        fastest = max(known, key=known.__getitem__)
+        if fastest != best and known[fastest] > known[best] * (1 + self.config.margin):
+            self._best[key] = fastest
             self.switches += 1
 
     def summary(self) -> dict[str, Any]:
-        """Per key, the arm it runs and both measured rates (tokens / s / request)."""
+        """Per key, the arm it runs and each arm's measured rate (tokens / s / request)."""
         return {f"{'sampled' if k[0] else 'greedy'}-{k[1]}": {"runs": self._best.get(k, "plan"),
-                                                                 "plan_rate": round(v["plan"].rate, 2),
-                                                                 "ar_rate": round(v["ar"].rate, 2)}
+                                                                 **{f"{a}_rate": round(v[a].rate, 2) for a in v}}
                 for k, v in self._arms.items()}
 
 
@@ -314,21 +331,24 @@ class PlannedMode(Mode):
     """Runs the mode of the bucket each step's batch falls in (see module doc)."""
 
     def __init__(self, plan: WidthPlan, greedy_modes: list[Mode], sampled_modes: list[Mode], name: str,
-                 ar_mode: Mode | None = None):
+                 ar_mode: Mode | None = None, lookup_modes: dict[int, Mode] | None = None):
         """`ar_mode`: the plain AR mode the online check runs where it measures AR faster (the
-        check is off without it, or when the plan has `online: false`)."""
+        check is off without it, or when the plan has `online: false`). `lookup_modes`: by
+        `id` of a bucket's mode object, the lookup step of that bucket's own context candidate,
+        the check's third arm there."""
         if len(greedy_modes) != len(plan.greedy) or len(sampled_modes) != len(plan.sampled):
             raise ValueError("one mode object per plan bucket")
         self.plan = plan
         self.ar_mode = ar_mode
+        self.lookup_modes = dict(lookup_modes or {})
         self.check = OnlineCheck(plan.online) if plan.online is not None and ar_mode is not None else None
         self._last: tuple[Any, str] | None = None  # the key and arm of the last planned step
         self.greedy_modes, self.sampled_modes = list(greedy_modes), list(sampled_modes)
-        every = self.greedy_modes + self.sampled_modes
+        every = self.greedy_modes + self.sampled_modes + list(self.lookup_modes.values())
         self.name = name
         self.seeds_per_step = max(m.seeds_per_step for m in every)
         self.max_width = max(m.max_width for m in every)
-        self.greedy_only = any(m.greedy_only for m in every)
+        self.greedy_only = any(m.greedy_only for m in self.greedy_modes + self.sampled_modes)
         self.current: Mode = self.greedy_modes[0]
 
     @property
@@ -345,20 +365,24 @@ class PlannedMode(Mode):
         modes = self.sampled_modes if sampled else self.greedy_modes
         mode = modes[self.plan.bucket(len(seqs), sampled)]
         self._last = None
-        if self.check is None or mode.name == "ar":
+        # sampled batches follow the plan alone: an arm chosen by timing would make a seeded
+        # request's output depend on the machine's load (each arm draws its own random numbers)
+        if self.check is None or mode.name == "ar" or sampled:
             return mode
         key = (sampled, size_class(len(seqs)))
+        lookup = self.lookup_modes.get(id(mode))
+        arms = ("plan", "lookup", "ar") if lookup is not None else ("plan", "ar")
         # until an engine reports step times the plan is followed as written (the offline
         # engine reports none, so its choices stay a function of the batch alone)
-        arm = self.check.arm(key) if self.check.observations else "plan"
+        arm = self.check.arm(key, arms) if self.check.observations else "plan"
         if arm == "ar" and self._candidate_came_true(mode, seqs):
             arm = self.check.probe_plan(key)
-        elif arm == "plan":  # what the plan's own steps emit is measured, not watched
+        elif arm != "ar":  # what speculative steps emit is measured, not watched
             for s in seqs:
                 if s.watch is not None:
                     s.watch.forget(s.history)
         self._last = (key, arm)
-        return self.ar_mode if arm == "ar" else mode
+        return self.ar_mode if arm == "ar" else lookup if arm == "lookup" else mode
 
     def _candidate_came_true(self, mode: Mode, seqs: list[DecodeSequence]) -> bool:
         """Whether, for some sequence AR steps serve, `watch_tokens` of the context candidate

@@ -16,10 +16,11 @@ import os
 from typing import Any
 
 from selfspec.decoding import registry
+from selfspec.decoding.policy import POLICY_NAMES
 from selfspec.sglang_ext import config as cfgmod
 
 _DESTS = ("selfspec_config", "selfspec_stride", "selfspec_tau", "selfspec_mask_token_id", "selfspec_lora",
-          "selfspec_options")
+          "selfspec_options", "selfspec_policy")
 
 
 def add_selfspec_args(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,13 @@ def add_selfspec_args(parser: argparse.ArgumentParser) -> None:
         "Defaults come from the checkpoint's selfspec.json, then the mode's defaults.")
     g.add_argument("--selfspec-config", default=None, metavar="FILE.yaml",
                    help="mode options in one YAML file (presets: serving_configs/*.yaml); flags below override it")
+    g.add_argument("--selfspec-policy", default=None, choices=POLICY_NAMES,
+                   help="what runs at each batch size when no --selfspec-config plan is given. auto (default): the "
+                   "mode's own step with the context candidate at small greedy batches, lookup steps at wider ones "
+                   "(long, cut short where they break early, up to 18 requests; 4 tokens beyond), the own step at "
+                   "batch 1 and AR steps beyond when sampling; a run-time check swaps in plain AR steps wherever "
+                   "they measure faster. own: the mode alone at its options on every step. lookup: auto with "
+                   "lookup steps for the own steps. ar: plain AR steps (what the worker adds to stock AR)")
     g.add_argument("--selfspec-stride", type=int, default=None, metavar="N",
                    help="ISD/RISD stride N: up to N tokens per step, 2N-1 query tokens (1 with "
                    "--selfspec-options context_tokens=K: lookup steps, the context candidate alone)")
@@ -50,7 +58,7 @@ def flags_from_namespace(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if getattr(args, "selfspec_config", None):
         out["config"] = os.path.abspath(os.path.expanduser(args.selfspec_config))
-    for key in ("stride", "tau", "mask_token_id", "lora"):
+    for key in ("stride", "tau", "mask_token_id", "lora", "policy"):
         v = getattr(args, "selfspec_" + key, None)
         if v is not None:
             out[key] = os.path.abspath(os.path.expanduser(v)) if key == "lora" else v

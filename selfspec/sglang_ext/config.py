@@ -26,7 +26,10 @@ from typing import Any
 from selfspec.decoding import registry
 from selfspec.decoding.isd import stride_allowed
 from selfspec.errors import UserError
-from selfspec.decoding.metadata import MetadataError, SelfspecMetadata, load_metadata, weights_sha256
+from selfspec.decoding.metadata import (
+    MetadataError, SelfspecMetadata, load_metadata, model_fingerprint, weights_sha256,
+)
+from selfspec.decoding.policy import PolicyConfig, policy_plan
 #: JSON of the `--selfspec-*` flags, set by the CLI hook in the launching process.
 FLAGS_ENV = "SELFSPEC_SERVER_FLAGS"
 #: JSON of the resolved configuration, set after validation for the scheduler processes.
@@ -54,6 +57,7 @@ class ResolvedConfig:
     adapter: str | None = None  # RISD: PEFT adapter directory
     sources: dict[str, str] = field(default_factory=dict)  # option -> where it came from
     plan: dict[str, Any] | None = None  # a width plan (`decoding/width_plan.py`): per batch size, its options
+    policy: str | None = None  # the built-in policy that wrote `plan` (`decoding/policy.py`); None: a plan file
 
     @property
     def spec(self) -> registry.ModeSpec:
@@ -77,6 +81,8 @@ class ResolvedConfig:
             from selfspec.decoding.width_plan import WidthPlan
 
             plan = f"; width plan ({self.sources.get('plan', '?')}): {WidthPlan.from_dict(self.plan, self.mode).describe()}"
+        elif self.policy is not None:
+            plan = f"; built-in policy {self.policy}: the mode alone on every step"
         return f"{self.algorithm}: width {self.width}; {opts}{plan}"
 
 
@@ -157,9 +163,16 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
 
     yaml_mode = yaml_cfg.pop("mode", None)
     plan = yaml_cfg.pop("plan", None)
+    plan_model = yaml_cfg.pop("model_fingerprint", None)
+    policy_value = flags.get("policy", yaml_cfg.pop("policy", None))
     if yaml_mode is not None and str(yaml_mode).upper() != algorithm:
         raise _err(f"--selfspec-config {flags['config']} is a {str(yaml_mode).upper()} preset but "
                    f"--speculative-algorithm is {algorithm}: use the matching preset or algorithm")
+    if plan is not None and policy_value is not None:
+        raise _err(f"--selfspec-config {flags['config']} gives a width plan, which replaces the built-in policy: "
+                   "drop the policy (--selfspec-policy or policy:) or the plan")
+    if plan is not None and plan_model is not None:
+        _check_plan_model(str(flags["config"]), plan_model, model_path)
 
     defaults = spec.defaults
     known = set(defaults)
@@ -200,6 +213,8 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
     cfg = ResolvedConfig(algorithm=algorithm, model_path=model_path, options=options, width=0, sources=sources)
     if plan is not None:
         cfg.plan, sources["plan"] = plan, f"--selfspec-config {flags['config']}"
+    else:
+        _apply_policy(cfg, policy_value)
     _check_mode_specific(cfg, server_args, flags, meta)
     try:
         mode = build_mode(cfg)
@@ -210,6 +225,41 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
     cfg.width = int(mode.max_width)
     _check_width(cfg, server_args)
     return cfg
+
+
+def _apply_policy(cfg: ResolvedConfig, value: Any) -> None:
+    """The built-in policy's plan (`decoding/policy.py`) where no plan file gives one. The mode's
+    own buckets take the policy's options for the mode except those the user set (flags, YAML):
+    what a user asks for wins over what the policy would choose."""
+    spec = cfg.spec
+    try:
+        policy = PolicyConfig.parse(value)
+    except ValueError as e:
+        raise _err(f"{e} (from {'--selfspec-policy' if value is not None else 'the default'})") from None
+    cfg.policy = policy.name
+    plan = policy_plan(spec.name, spec.policy_options, policy)
+    if plan is None:
+        return
+    user_set = {k for k, src in cfg.sources.items() if src.startswith("--selfspec")}
+    for buckets in (plan["greedy"], plan["sampled"]):
+        for bucket in buckets:
+            if bucket["mode"] == spec.name:
+                for key in user_set & set(bucket):
+                    del bucket[key]
+    cfg.plan, cfg.sources["plan"] = plan, f"built-in policy {policy.name}"
+
+
+def _check_plan_model(config: str, recorded: Any, model_path: str) -> None:
+    """A plan records the model it was measured on (`model_fingerprint`); another model's plan
+    would serve widths chosen from another model's acceptance."""
+    try:
+        have = model_fingerprint(model_path)
+    except FileNotFoundError:
+        return  # no weights on disk to compare (a hub name): nothing to check against
+    if str(recorded) != have:
+        raise _err(f"--selfspec-config {config} is a plan measured on another model (model_fingerprint "
+                   f"{str(recorded)[:12]}..., {model_path} has {have[:12]}...): re-tune it for this model with "
+                   "`selfspec tune`, or serve without it (the built-in policy needs no measurement)")
 
 
 def _load_metadata(directory: str | Path) -> SelfspecMetadata | None:

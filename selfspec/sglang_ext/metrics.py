@@ -71,6 +71,9 @@ class AggregateStats:
         self.last_step_width = 0
         self.ar_steps = 0  # one-token steps (an AR bucket's, the online check's AR arm)
         self.ar_steps_as_decode = 0  # those run as SGLang's own decode forward (not on a CPU)
+        # per kind of step ("own": the mode's own, "lookup", "ar"): [steps, request-steps, tokens];
+        # what part of the output each kind of step committed
+        self.by_kind: dict[str, list[int]] = {}
         self._gauges = None
         self._last_log = time.monotonic()
 
@@ -85,8 +88,13 @@ class AggregateStats:
         self.finished.query_tokens += m.query_tokens
         self.finished.accept_hist.update(m.accept_hist)
 
-    def step(self, batch_size: int, committed: int, query_tokens: int, seconds: float, width: int = 0) -> None:
+    def step(self, batch_size: int, committed: int, query_tokens: int, seconds: float, width: int = 0,
+             kind: str = "own") -> None:
         self.steps += 1
+        counts = self.by_kind.setdefault(kind, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += batch_size
+        counts[2] += committed
         self.window_width += width
         self.last_step_width = width
         self.window_req_forwards += batch_size
@@ -103,6 +111,7 @@ class AggregateStats:
         out["last_step_width"] = self.last_step_width
         out["ar_steps"] = self.ar_steps
         out["ar_steps_as_decode"] = self.ar_steps_as_decode
+        out["steps_by_kind"] = {k: {"steps": v[0], "request_steps": v[1], "tokens": v[2]} for k, v in self.by_kind.items()}
         return out
 
     def flush(self) -> None:
@@ -157,6 +166,9 @@ def _after_add_speculative(result, self, state, *args, **kwargs):
     if isinstance(stats, AggregateStats):
         worker.collect_finished()
         state["selfspec"] = stats.summary()
+        cfg = getattr(worker, "cfg", None)  # what the server runs: its plan, and the policy that wrote it
+        state["selfspec"]["plan"] = getattr(cfg, "plan", None)
+        state["selfspec"]["policy"] = getattr(cfg, "policy", None)
         check = getattr(getattr(worker, "mode", None), "check", None)
         if check is not None:  # a width plan's online check: per batch-size class, what runs
             state["selfspec"]["online_check"] = check.summary()

@@ -22,6 +22,7 @@ def register() -> None:
     from selfspec.sglang_ext import attention, cli_args, lora, metrics, registration, request_checks, watermark
 
     registration.register_algorithms()  # --speculative-algorithm ISD | RISD | JACOBI | SJD
+    registration.install()  # room in each request's KV row for the decode reservation
     cli_args.install()  # --selfspec-* flags on SGLang's command line
     attention.install()  # TARGET_VERIFY for the torch_native (CPU) attention backend
     lora.install()  # RISD: per-token gated LoRA inside SGLang's linear layers

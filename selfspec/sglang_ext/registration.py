@@ -104,6 +104,28 @@ def _worker_factory(server_args: Any):
     return SelfSpecWorker
 
 
+def _row_headroom_after(result: int, *args, **kwargs) -> int:
+    """A request's req_to_token row past the context length, for a selfspec algorithm: room for
+    the decode reservation. SGLang 0.5.23 reserves twice the verify width past the committed
+    tokens at every decode step (`allocation_sizing.get_alloc_reserve_per_decode`) but leaves
+    only 4 + the width of row past the context length at page size 1, so a request that nears
+    the context length with a width above 4 writes past its row (IndexError in
+    `assign_req_to_token_pool`; stock NGRAM at its 12 draft tokens alike)."""
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+    from sglang.srt.runtime_context import get_spec
+
+    if registry.for_sglang_algorithm(get_spec().speculative_algorithm) is None:
+        return result
+    return max(result, 4 + get_alloc_reserve_per_decode())
+
+
+def install() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len",
+                          _row_headroom_after, HookType.AFTER)
+
+
 _registered = False
 
 

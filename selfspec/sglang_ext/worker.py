@@ -125,6 +125,20 @@ class RequestState:
     req: Any = None
 
 
+def timing_check_allowed(server_args) -> bool:
+    """Whether a planned mode's run-time check may choose steps by this process's clock: not
+    under tensor parallelism, whose ranks must run the same step (one forward, collectives in
+    lock step) while each measures its own periods."""
+    return int(getattr(server_args, "tp_size", 1) or 1) == 1
+
+
+def step_kind(mode) -> str:
+    """What kind of step `mode` just planned: "ar" (one token), "lookup" (the context candidate
+    alone) or "own" (the mode's own step); a planned mode's bucket decides."""
+    name = getattr(getattr(mode, "current", mode), "name", "")
+    return {"ar": "ar", "ngram": "lookup"}.get(name, "own")
+
+
 def pad_layout(layout: StepLayout, width: int, pad_token: int) -> StepLayout:
     """Extend a layout to the fixed verify width: padding tokens go last, in their own branch
     (-1: they see the trunk and each other, no real token sees them), gate off."""
@@ -176,6 +190,9 @@ class SelfSpecWorker(BaseSpecWorker):
         # requests, README "AR steps on the verify path"); elsewhere the decode path (and its graphs)
         self._ar_as_decode = torch.device(self.device).type != "cpu"
         self.mode = cfgmod.build_mode(self.cfg, padded=not self._ragged_verify)
+        if getattr(self.mode, "check", None) is not None and not timing_check_allowed(server_args):
+            self.mode.check = None  # every rank follows the plan as written
+            logger.info("[selfspec] tensor parallel: the plan's run-time check is off, every rank runs the plan")
         self.width = int(get_spec().speculative_num_draft_tokens)
         if self.width < self.cfg.width:
             raise cfgmod.SelfSpecConfigError(
@@ -388,7 +405,7 @@ class SelfSpecWorker(BaseSpecWorker):
             logger.info("[selfspec] step bs=%d width %d tokens %d plan %.2f ms forward %.2f ms finish %.2f ms "
                         "between %.2f ms", bs, W, sum(real_widths), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
                         between)
-        self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0, W)
+        self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0, W, step_kind(self.mode))
         self._last_step = (t0, outcomes)
         self.collect_finished()
         out = _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, self.width)
