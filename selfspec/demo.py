@@ -1,33 +1,33 @@
-"""The README's main job: what selfspec buys, shown on this machine.
+"""The README's main job: what selfspec buys at its defaults, and where it comes from.
 
-`python -m selfspec.demo [--model tiny-idlm] [--config serving_configs/tuned-<host>-isd.yaml]`
+`python -m selfspec.demo [--model tiny-idlm] [--max-tokens 96] [-- EXTRA SGLANG FLAGS]`
 
-Serves the embedded I-DLM model twice with stock SGLang, one server at a time: first plain AR,
-then ISD through the selfspec plugin with a tuned width plan (`selfspec tune`; the config
-written for this host if there is one, else the committed one measured on a 2-core CPU). Both
-answer the same prompts, greedy, first one at a time and then as one concurrent burst of other
-prompts (held-out ones: ISD's context candidates draw on every answer its server has given,
-`decoding/corpus.py`, so a burst of prompts it had just answered would replay those answers);
-the demo prints ISD's answers, its tokens per forward, both servers' tok/s and their ratio, and
-whether ISD's output equals AR's token for token (it must: ISD is lossless).
+Serves the embedded I-DLM model with stock SGLang, one server at a time: plain AR (no
+speculative algorithm), then ISD through the selfspec plugin with no plan file — first with one
+part of its default policy at a time (`--selfspec-policy`: plain AR steps on the selfspec
+worker, lookup steps only, ISD's own steps only), then the default itself. Every server answers
+the same requests: a few prompts one at a time, then a burst of held-out prompts at once (the
+`eval` set: ISD's context candidates draw on every answer its server has given, so a burst of
+prompts it had just answered would replay those answers), greedy and at temperature 0.7 (seeded).
+It prints the default's answers (which of them end in a repetition loop, and at least one that
+does not), each server's tok/s over stock AR's with its tokens per forward, and whether the
+greedy outputs equal stock AR's token for token (they must: every mode here is lossless).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from selfspec.serving import ServerProcess, ServerSpec, ServeError
 
-REPO = Path(__file__).resolve().parents[1]
 CHAT_PROMPT = "Write a Python function that reverses a string."
 # Ends mid-line: the BPE merges a newline with the indentation after it, so a prompt ending in
 # a bare newline would start the model from a token boundary it never saw in training.
@@ -38,83 +38,101 @@ COMPLETION_PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self",
     "def read_config(path):\n    with open(path) as f:\n        data = json.load(f)\n    if",
 ]
-BURST = 8  # concurrent requests in the burst (the plan picks the width for this batch size)
+BURST = 8  # concurrent requests in a burst
 WARMUP_PROMPT = "def add(a, b):\n    return"  # asked first, answered nowhere else
-HELDOUT = REPO / "bench" / "prompts" / "heldout.jsonl"
+TEMPERATURE = 0.7
+#: (label, extra server flags): stock AR first (the reference), then the default's parts, then it
+ROWS = (
+    ("stock AR", []),
+    ("ISD: AR steps only", ["--speculative-algorithm", "ISD", "--selfspec-policy", "ar"]),
+    ("ISD: lookup steps only", ["--speculative-algorithm", "ISD", "--selfspec-policy", "lookup"]),
+    ("ISD: own steps only", ["--speculative-algorithm", "ISD", "--selfspec-policy", "own"]),
+    ("ISD default", ["--speculative-algorithm", "ISD"]),
+)
 
 
-def burst_prompts() -> list[str]:
-    """BURST held-out prompts, asked in the burst only."""
-    lines = [line for line in HELDOUT.read_text().splitlines() if line.strip()]
-    return [json.loads(line)["prompt"] for line in lines[:BURST]]
+def burst_prompts(offset: int) -> list[str]:
+    """BURST prompts of the `eval` set from `offset`, each asked in one burst only."""
+    from selfspec.benchmarks.prompt_sets import load_prompt_set
+
+    return load_prompt_set("eval")[offset : offset + BURST]
 
 
 @dataclass
-class Run:
-    texts: list[str]
-    token_ids: list[list[int]]
-    seconds: float
-    burst_seconds: float
-    burst_ids: list[list[int]]
-    forwards: int
+class Pass:
+    """One way of asking (one at a time or a burst, greedy or sampled): outputs and wall time."""
 
-    @property
-    def burst_tokens(self) -> int:
-        return sum(len(t) for t in self.burst_ids)
+    token_ids: list[list[int]] = field(default_factory=list)
+    forwards: int = 0
+    seconds: float = 0.0
 
     @property
     def tokens(self) -> int:
         return sum(len(t) for t in self.token_ids)
 
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-def default_config() -> Path:
-    host = socket.gethostname().split(".")[0]
-    own = REPO / "serving_configs" / f"tuned-{host}-isd.yaml"
-    return own if own.is_file() else REPO / "serving_configs" / "tuned-vm-isd.yaml"
+    @property
+    def tpf(self) -> float:
+        return self.tokens / max(self.forwards, 1)
 
 
-def _ask(server: ServerProcess, prompts: list[str], max_tokens: int) -> Run:
-    from openai import OpenAI
+def _generate(base_url: str, prompt: str, max_tokens: int, temperature: float, seed: int) -> tuple[list[int], int]:
+    params = {"temperature": temperature, "max_new_tokens": max_tokens, "sampling_seed": seed}
+    body = {"text": prompt, "sampling_params": params}
+    req = urllib.request.Request(base_url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read())
+    meta = out["meta_info"]
+    return out["output_ids"], int(meta.get("selfspec_forwards") or meta.get("completion_tokens", 0))
 
-    client = OpenAI(base_url=server.base_url + "/v1", api_key="none")
 
-    def one(prompt: str):
-        return client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0)
+def _ask(base_url: str, prompts: list[str], max_tokens: int, temperature: float, concurrent: bool) -> Pass:
+    def one(i: int) -> tuple[list[int], int]:
+        return _generate(base_url, prompts[i], max_tokens, temperature, seed=1000 + i)
 
-    def ids(prompt: str) -> tuple[list[int], int]:
-        body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
-        req = urllib.request.Request(server.base_url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
-        meta = out["meta_info"]
-        return out["output_ids"], int(meta.get("selfspec_forwards") or meta.get("completion_tokens", 0))
-
-    one(WARMUP_PROMPT)
     t0 = time.perf_counter()
-    got = [ids(p) for p in prompts]
-    seconds = time.perf_counter() - t0
-    burst = burst_prompts()
-    with ThreadPoolExecutor(len(burst)) as ex:
-        t0 = time.perf_counter()
-        burst_out = list(ex.map(ids, burst))
-        burst_seconds = time.perf_counter() - t0
-    texts = [one(p).choices[0].text for p in prompts]  # through the OpenAI client, after the timing
-    return Run(texts, [g[0] for g in got], seconds, burst_seconds, [b[0] for b in burst_out],
-               sum(g[1] for g in got))
+    if concurrent:
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            got = list(ex.map(one, range(len(prompts))))
+    else:
+        got = [one(i) for i in range(len(prompts))]
+    return Pass([g[0] for g in got], sum(g[1] for g in got), time.perf_counter() - t0)
 
 
-def _serve(model: str, args: list[str], name: str, prompts: list[str], max_tokens: int) -> Run:
-    log = Path(tempfile.mkdtemp(prefix=f"selfspec-demo-{name}-")) / "sglang.log"
-    print(f"starting SGLang ({name}) with {model} (log: {log}) ...", flush=True)
+#: the four passes every server runs: (name, one at a time?, temperature, burst prompts' offset)
+PASSES = (("one greedy", False, 0.0, 0), ("burst greedy", True, 0.0, 0),
+          ("one T=0.7", False, TEMPERATURE, 0), ("burst T=0.7", True, TEMPERATURE, BURST))
+
+
+def _serve(model: str, label: str, args: list[str], prompts: list[str], max_tokens: int) -> dict[str, Pass]:
+    log = Path(tempfile.mkdtemp(prefix="selfspec-demo-")) / "sglang.log"
+    print(f"starting SGLang ({label}) with {model} (log: {log}) ...", flush=True)
     started = time.perf_counter()
     with ServerProcess(ServerSpec(model, port=None, extra_args=args), log_path=log, startup_timeout=900) as server:
-        print(f"  ready on {server.base_url} in {time.perf_counter() - started:.0f} s; {len(prompts)} prompts one at a time, "
-              f"then {BURST} held-out prompts at once", flush=True)
-        return _ask(server, prompts, max_tokens)
+        print(f"  ready in {time.perf_counter() - started:.0f} s", flush=True)
+        _generate(server.base_url, WARMUP_PROMPT, 8, 0.0, 0)
+        return {name: _ask(server.base_url, burst_prompts(offset) if concurrent else prompts, max_tokens,
+                           temperature, concurrent)
+                for name, concurrent, temperature, offset in PASSES}
 
 
-def run_demo(model: str, config: Path, max_tokens: int, extra: list[str]) -> bool:
+def _show_answers(tok, prompts: list[str], answers: list[list[int]]) -> None:
+    from selfspec.benchmarks.repetition import is_repetition_loop
+
+    loops = [is_repetition_loop(a) for a in answers]
+    shown = [i for i in range(len(prompts)) if not loops[i]][:2] or [0]
+    for i in shown:
+        print(f"== {'does not loop' if not loops[i] else 'loops'}: prompt {i + 1} and the default's greedy answer\n"
+              f"{prompts[i]}{tok.decode(answers[i], skip_special_tokens=True).rstrip()}\n")
+    print(f"{sum(loops)} of the {len(prompts)} greedy answers end in a repetition loop (the tiny model's habit; "
+          "lookup steps copy loops, which flatters them)\n")
+
+
+def run_demo(model: str, max_tokens: int, extra: list[str]) -> bool:
     from transformers import AutoTokenizer
 
     from selfspec.models import resolve_model
@@ -123,47 +141,29 @@ def run_demo(model: str, config: Path, max_tokens: int, extra: list[str]) -> boo
     chat = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], tokenize=False,
                                    add_generation_prompt=True)
     prompts = [chat, *COMPLETION_PROMPTS]
-    ar = _serve(model, list(extra), "AR", prompts, max_tokens)
-    isd = _serve(model, ["--speculative-algorithm", "ISD", "--selfspec-config", str(config), *extra],
-                 f"ISD, plan {config.name}", prompts, max_tokens)
+    results = {label: _serve(model, label, [*args, *extra], prompts, max_tokens) for label, args in ROWS}
+    ar, default = results["stock AR"], results["ISD default"]
     print()
-    for prompt, text in zip(prompts, isd.texts):
-        if prompt is chat:
-            print(f"== chat: {CHAT_PROMPT}\n{text.strip()}\n")
-        else:
-            print(f"== completion:\n{prompt}{text.rstrip()}\n")
-    same = sum(a == b for a, b in zip(ar.token_ids, isd.token_ids))
-    same_burst = sum(a == b for a, b in zip(ar.burst_ids, isd.burst_ids))
-    one_ratio = (isd.tokens / isd.seconds) / (ar.tokens / ar.seconds)
-    burst_ratio = (isd.burst_tokens / isd.burst_seconds) / (ar.burst_tokens / ar.burst_seconds)
-    print(f"{'':22s}{'AR':>10s}{'ISD':>10s}")
-    print(f"{'one at a time, tok/s':22s}{ar.tokens / ar.seconds:10.1f}{isd.tokens / isd.seconds:10.1f}   "
-          f"ISD = {one_ratio:.2f}x AR")
-    print(f"{f'{BURST} at once, tok/s':22s}{ar.burst_tokens / ar.burst_seconds:10.1f}"
-          f"{isd.burst_tokens / isd.burst_seconds:10.1f}   ISD = {burst_ratio:.2f}x AR")
-    print(f"{'tokens per forward':22s}{1.0:10.2f}{isd.tokens / max(isd.forwards, 1):10.2f}")
-    print(f"greedy output identical to AR's, token for token: {same}/{len(prompts)} prompts, "
-          f"{same_burst}/{len(isd.burst_ids)} in the burst")
-    for batch in (1, BURST):
-        print(f"plan at batch {batch}: {plan_step(config, batch)}")
-    return same == len(prompts) and same_burst == len(isd.burst_ids)
-
-
-def plan_step(config: Path, batch: int) -> str:
-    """What the ISD plan of `config` runs for a greedy batch of `batch` requests, in words: the
-    tuner may give a batch size lookup steps (the context candidate alone) or AR steps where
-    ISD's own proposals do not pay on this machine."""
-    from selfspec.decoding.width_plan import WidthPlan
-    from selfspec.sglang_ext.config import load_yaml_config
-
-    data = load_yaml_config(config).get("plan")
-    if data is None:
-        return "ISD steps (no width plan)"
-    plan = WidthPlan.from_dict(data, "isd")
-    b = plan.greedy[plan.bucket(batch, False)]
-    opts = ", ".join(f"{k}={v}" for k, v in b.options.items() if k != "match_sizes")
-    kind = {"ngram": "lookup steps", "ar": "plain AR steps"}.get(b.mode, f"{b.mode.upper()} steps")
-    return f"{kind}{' (' + opts + ')' if opts else ''}"
+    _show_answers(tok, prompts, default["one greedy"].token_ids)
+    names = [name for name, *_ in PASSES]
+    print(f"{'output tok/s x stock AR (TPF)':26s}" + "".join(f"{n:>17s}" for n in names))
+    for label, passes in results.items():
+        cells = [f"{passes[n].tok_s / ar[n].tok_s:.2f}x ({passes[n].tpf:.2f})" for n in names]
+        print(f"{label:26s}" + "".join(f"{c:>17s}" for c in cells))
+    print(f"{'stock AR tok/s':26s}" + "".join(f"{ar[n].tok_s:17.1f}" for n in names))
+    exact = True
+    for label, passes in results.items():
+        same = sum(a == b for n in ("one greedy", "burst greedy")
+                   for a, b in zip(passes[n].token_ids, ar[n].token_ids))
+        total = len(prompts) + BURST
+        exact &= same == total
+        if label != "stock AR":
+            print(f"{label}: greedy outputs identical to stock AR's: {same}/{total}")
+    print("Where the default's speed comes from: 'AR steps only' is the selfspec worker's own one-token step "
+          "against stock AR's; 'lookup' and 'own' each run one kind of speculative step at every batch size; "
+          "the default runs ISD's own step (with the context candidate) one request at a time, lookup steps in "
+          "greedy bursts and AR steps in sampled ones, and switches to AR steps wherever they measure faster.")
+    return exact
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,17 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     argv, extra = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(prog="python -m selfspec.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-idlm", help="an I-DLM checkpoint (default: the embedded tiny-idlm)")
-    parser.add_argument("--config", default=None, help="ISD serving config with a width plan "
-                        "(default: serving_configs/tuned-<host>-isd.yaml, else the committed 2-core CPU one)")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=96, help="tokens per answer (default 96)")
     args = parser.parse_args(argv)
-    config = Path(args.config) if args.config else default_config()
-    if not config.is_file():
-        print(f"demo: --config {config}: no such file (write one with `selfspec tune --model {args.model}`)",
-              file=sys.stderr)
-        return 2
     try:
-        return 0 if run_demo(args.model, config, args.max_tokens, extra) else 1
+        return 0 if run_demo(args.model, args.max_tokens, extra) else 1
     except (ServeError, ValueError) as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2

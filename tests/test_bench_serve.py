@@ -81,138 +81,14 @@ def test_report_ratios_and_the_ngram_note():
     assert all(r["notes"] == [] for r in greedy["results"])
     wrapped = dict(_report(0.0), concurrency=[1, 4], num_prompts=32, prompts_available=48)  # level 2 wraps
     serve.finish_report(wrapped)
-    assert wrapped["results"][1]["notes"] == [serve.NGRAM_REPEAT_NOTE] and wrapped["results"][0]["notes"] == []
+    assert wrapped["results"][1]["notes"] == [serve.REPEAT_NOTE] and wrapped["results"][0]["notes"] == []
+    assert wrapped["prompts_reused"]
     fits = dict(_report(0.0), concurrency=[1, 4], num_prompts=32, prompts_available=64)
     serve.finish_report(fits)
     assert fits["results"][1]["notes"] == []
     filled = dict(_report(0.0), concurrency=[1, 64], num_prompts=32, prompts_available=64)  # 32 + 64 requests
     serve.finish_report(filled)
-    assert filled["results"][1]["notes"] == [serve.NGRAM_REPEAT_NOTE]
-
-
-def test_tuner_predictions_sit_beside_the_rows_served_with_its_plan(tmp_path):
-    from selfspec.benchmarks import predictions
-
-    config = tmp_path / "tuned-isd.yaml"
-    config.write_text("mode: ISD\n")
-    stride3 = {"stride": 3, "context_tokens": 16}
-    tune = {"schema": "selfspec.tune/v1", "modes": {"isd": {
-        "config": str(config),
-        "plan": {"greedy": [{"max_batch": 2, "mode": "isd", **stride3}, {"max_batch": None, "mode": "ar"}]},
-        "candidates": [{"mode": "ar", "options": {}, "tokens_per_step": {"greedy": 1.0}},
-                       {"mode": "isd", "options": stride3, "tokens_per_step": {"greedy": 4.0}}],
-        "predicted": {"greedy": {"1": {"ar": 9.0, "stride=3,context_tokens=16": 25.0},
-                                 "4": {"ar": 30.0, "stride=3,context_tokens=16": 20.0}}}}}}
-    path = tmp_path / "tune.json"
-    path.write_text(json.dumps(tune))
-
-    def level(c, tok_s, tpf=1.0, tpot=100.0):
-        return {"concurrency": c, "output_tok_s": tok_s, "requests": 4, "tpot_ms_p50": tpot, "tpot_ms_p99": 2 * tpot,
-                "tokens": 404, "tpf": tpf}
-
-    report = {"temperature": 0.0, "results": [
-        {"mode": "ar", "status": "ok", "levels": [level(1, 10.0), level(4, 25.0), level(3, 20.0), level(16, 28.0)]},
-        {"mode": "isd", "status": "ok", "server_args": ["--selfspec-config", str(tmp_path / "." / config.name)],
-         "levels": [level(1, 20.0, tpf=404 / 204, tpot=80.0), level(4, 30.0)]},  # C=1: 2 tokens per decode step
-        {"mode": "isd", "status": "ok", "server_args": [], "levels": [level(1, 15.0)]}]}  # not the tuned plan
-    for row in report["results"]:  # as finish_report sets it before the predictions attach
-        for lv in row["levels"]:
-            lv["ratio_vs_ar"] = lv["output_tok_s"] / {1: 10.0, 4: 25.0}[lv["concurrency"]] if row["mode"] != "ar" else 1.0
-    predictions.attach(report, predictions.load(path))
-    ar, tuned, fixed = (r["levels"] for r in report["results"])
-    # batch 3 is not on the tuner's grid; C=16 with 4 requests is a batch of 4
-    assert [lv["predicted_tok_s"] for lv in ar] == [9.0, 30.0, None, 30.0]
-    assert ar[0]["prediction_error"] == pytest.approx(-0.1) and ar[2]["prediction_error"] is None
-    assert ar[0]["step_error"] == pytest.approx(100.0 / (1e3 / 9.0) - 1)  # AR: one token per step
-    assert [lv["predicted_tok_s"] for lv in tuned] == [25.0, 30.0]  # the plan's bucket at each batch
-    assert tuned[1]["prediction_error"] == pytest.approx(0.0)
-    # 2 tokens per step served at TPOT 80 ms: a 160 ms step where the tuner priced 4 tokens at 25 tok/s
-    assert tuned[0]["prediction_error"] == pytest.approx(0.25)
-    assert tuned[0]["step_error"] == pytest.approx(160.0 / 160.0 - 1)
-    assert "predicted_tok_s" not in fixed[0]
-    # the speed-up over AR: predicted 25 / 9 at batch 1, measured 20 / 10 in the same run
-    assert "speedup_error" not in ar[0]
-    assert tuned[0]["predicted_speedup"] == pytest.approx(25.0 / 9.0)
-    assert tuned[0]["speedup_error"] == pytest.approx((25.0 / 9.0) / 2.0 - 1)
-    assert tuned[1]["speedup_error"] == pytest.approx((30.0 / 30.0) / (30.0 / 25.0) - 1)
-    # rows record the plan they served; a plan the tune did not write (the file since re-tuned,
-    # or a copy of it elsewhere) is matched by content, not by the path
-    report["results"][1]["selfspec_plan"] = predictions.served_plan(report["results"][1]["server_args"])
-    assert report["results"][1]["selfspec_plan"] is None  # the config file holds no plan
-    planned = tmp_path / "planned.yaml"
-    planned.write_text("mode: ISD\nplan:\n  greedy:\n  - {max_batch: null, mode: ar}\n")
-    assert predictions.served_plan(["--selfspec-config", str(planned)]) == {"greedy": [{"max_batch": None, "mode": "ar"}]}
-    predictions.attach(report, predictions.load(path))
-    assert "predicted_tok_s" not in tuned[0] and "speedup_error" not in tuned[0]  # stale values cleared
-    report["results"][1]["selfspec_plan"] = copy.deepcopy(tune["modes"]["isd"]["plan"])
-    report["results"][2]["selfspec_plan"] = copy.deepcopy(tune["modes"]["isd"]["plan"])  # a copy elsewhere
-    predictions.attach(report, predictions.load(path))
-    assert report["results"][1]["levels"][0]["predicted_tok_s"] == 25.0
-    assert report["results"][2]["levels"][0]["predicted_tok_s"] == 25.0
-    # a bucket the tuner never measured (a hand-edited plan) gets no prediction, not an error
-    tune["modes"]["isd"]["plan"]["greedy"][0]["stride"] = 4
-    path.write_text(json.dumps(tune))
-    predictions.attach(report, predictions.load(path))
-    assert "predicted_tok_s" not in report["results"][1]["levels"][0]  # served stride 3: not this plan
-    report["results"][1]["selfspec_plan"] = copy.deepcopy(tune["modes"]["isd"]["plan"])
-    predictions.attach(report, predictions.load(path))
-    assert report["results"][1]["levels"][0]["predicted_tok_s"] is None
-    assert report["results"][1]["levels"][0]["step_error"] is None
-    assert "xAR err" in serve.format_table({"temperature": 0.0, "results": [dict(r, reason=None, notes=[])
-                                                                             for r in report["results"][:1]]})
-    path.write_text(json.dumps({"schema": "selfspec.bench.serve/v1"}))
-    with pytest.raises(SystemExit, match="not a `selfspec tune --json` report"):
-        predictions.load(path)
-
-
-def test_a_tune_with_per_prompt_acceptance_predicts_the_level_replayed(tmp_path):
-    """With the tune's per-prompt records (and the report's max_tokens), a level's prediction is
-    the level replayed (`tuning/level.py`): a looping prompt finishes first and the other runs on
-    alone; the steady batch's prediction stays beside it."""
-    from selfspec.benchmarks import predictions
-
-    lookup = {"mode": "ngram", "options": {"num_draft": 12}, "width": 13, "tokens_per_step": {"greedy": 200 / 110},
-              "per_request": {"greedy": [[100, 10, 130], [100, 100, 1300]]}}
-    ar = {"mode": "ar", "options": {}, "width": 1, "tokens_per_step": {"greedy": 1.0},
-          "per_request": {"greedy": [[100, 100, 100], [100, 100, 100]]}}
-    plan = {"greedy": [{"max_batch": None, "mode": "ngram", "num_draft": 12}]}
-    tune = {"schema": "selfspec.tune/v1", "costs": {"batch_sizes": [1, 2], "widths": [1, 16], "ms": [[10, 10], [10, 10]]},
-            "modes": {"isd": {"config": "x.yaml", "plan": plan, "candidates": [ar, lookup],
-                              "step_overhead": {"greedy": {"ar_ms": {"1": 0.0}}},
-                              "predicted": {"greedy": {"2": {"ar": 200.0, "lookup=12": 364.0}}}}}}
-    path = tmp_path / "tune.json"
-    path.write_text(json.dumps(tune))
-    level = {"concurrency": 2, "output_tok_s": 180.0, "requests": 2, "ratio_vs_ar": 1.0}
-    report = {"temperature": 0.0, "max_tokens": 100, "results": [
-        {"mode": "ar", "status": "ok", "levels": [dict(level)]},
-        {"mode": "isd", "status": "ok", "selfspec_plan": plan, "levels": [dict(level, ratio_vs_ar=1.0)]}]}
-    predictions.attach(report, predictions.load(path))
-    ar_lv, isd_lv = (r["levels"][0] for r in report["results"])
-    assert ar_lv["predicted_tok_s"] == pytest.approx(200.0)  # 2 x 1 token per 10 ms step
-    assert isd_lv["predicted_tok_s"] == pytest.approx(200.0) and isd_lv["predicted_steady_tok_s"] == 364.0
-    assert isd_lv["prediction_error"] == pytest.approx(200.0 / 180.0 - 1)
-    assert isd_lv["predicted_speedup"] == pytest.approx(1.0)
-    # a mode whose calibration priced every step 10 ms dearer: its speed-up is over AR steps
-    # priced alike (its own AR replay, 100 tok/s), not over the first mode's AR (200 tok/s)
-    tune["modes"]["sjd"] = dict(tune["modes"]["isd"], step_overhead={"greedy": {"ar_ms": {"1": 10.0}}})
-    path.write_text(json.dumps(tune))
-    report["results"].append({"mode": "sjd", "status": "ok", "selfspec_plan": plan, "levels": [dict(level)]})
-    predictions.attach(report, predictions.load(path))
-    sjd_lv = report["results"][2]["levels"][0]
-    assert sjd_lv["predicted_tok_s"] == pytest.approx(100.0) and sjd_lv["predicted_ar_tok_s"] == pytest.approx(100.0)
-    assert sjd_lv["predicted_speedup"] == pytest.approx(1.0)
-    # a tune that timed the stock AR server (its steps 15 ms at batch 2): the AR row and every
-    # mode's speed-up are priced by it, the plans by their own calibration
-    tune["stock_ar"] = {"step_overhead": {"greedy": {"ar_ms": {"1": 5.0}}}}
-    path.write_text(json.dumps(tune))
-    predictions.attach(report, predictions.load(path))
-    ar_lv, isd_lv, sjd_lv = (r["levels"][0] for r in report["results"])
-    assert ar_lv["predicted_tok_s"] == pytest.approx(2e3 / 15)
-    assert isd_lv["predicted_tok_s"] == pytest.approx(200.0) and sjd_lv["predicted_tok_s"] == pytest.approx(100.0)
-    assert isd_lv["predicted_speedup"] == pytest.approx(1.5) and sjd_lv["predicted_speedup"] == pytest.approx(0.75)
-    del report["max_tokens"]  # an older report: the steady prediction
-    predictions.attach(report, predictions.load(path))
-    assert report["results"][1]["levels"][0]["predicted_tok_s"] == 364.0
+    assert filled["results"][1]["notes"] == [serve.REPEAT_NOTE]
 
 
 @pytest.mark.server
@@ -247,12 +123,32 @@ def test_bench_serve_ar_and_sjd(tmp_path, tiny_base_path):
     assert png.stat().st_size > 0
 
 
-def test_the_committed_prompts_never_repeat_and_fill_the_readme_levels():
+def test_the_prompt_sets_are_disjoint_and_fill_the_readme_levels():
     """A prompt asked twice lets every lookup method (NGRAM, context candidates) replay the first
-    answer; the README's runs (levels 1, 4, 16, 32 with 16 prompts each, C=32 filled) must fit."""
-    texts = serve.load_prompt_texts(serve.Path(serve.__file__).resolve().parents[2] / "bench" / "prompts" / "heldout.jsonl")
-    assert len(set(texts)) == len(texts)
-    assert sum(serve.level_sizes([1, 4, 16, 32], 16)) <= len(texts)
+    answer; the README's runs (levels 1, 4, 16, 32 with 32 prompts each) must fit every set, and
+    nothing fitted on `tune` may be measured on `eval`."""
+    from selfspec.benchmarks.prompt_sets import SET_NAMES, load_prompt_set
+    from selfspec.training.prompts import SPLIT_COUNT, split_prompts
+
+    sets = {name: load_prompt_set(name) for name in SET_NAMES}
+    for name, texts in sets.items():
+        assert len(set(texts)) == len(texts), name
+        assert sum(serve.level_sizes([1, 4, 16, 32], 32)) <= len(texts), name
+    assert not set(sets["tune"]) & set(sets["eval"])
+    assert sets["tune"] == split_prompts("tune", SPLIT_COUNT)  # the committed files are the rule's output
+    assert len(sets["humaneval"]) == 164 and sets["humaneval"][0].startswith("from typing import List")
+
+
+def test_a_bad_prompt_set_is_named(tmp_path):
+    from selfspec.benchmarks.prompt_sets import load_prompt_set
+    from selfspec.errors import UsageError
+
+    with pytest.raises(UsageError, match="no such file.*tune, eval, humaneval"):
+        load_prompt_set(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    with pytest.raises(UsageError, match="bad.jsonl:1"):
+        load_prompt_set(str(bad))
 
 
 # ------------------------------------------------------------------ bench/context_lookup.py
@@ -345,6 +241,27 @@ def test_interleaved_levels_run_the_same_chunks_through_every_server_in_turn(mon
         serve.run(parser.parse_args(["--modes", "ar", "--interleave", "-1"]))
 
 
+def test_breakdown_rows_isolate_each_part_of_a_modes_default():
+    """--breakdown: before each served selfspec mode, the same mode under each isolating policy
+    (AR steps, lookup only, own steps only); AR and NGRAM get none. Each level reports which
+    kind of step committed its tokens, from the server's counts."""
+    from selfspec.benchmarks.modes import breakdown, parse_modes
+
+    runs, extra = breakdown(parse_modes("ngram,isd,fast=sjd"))
+    assert [r.label for r in runs] == ["ar", "ngram", "isd:ar-steps", "isd:lookup", "isd:own", "isd",
+                                       "fast:ar-steps", "fast:lookup", "fast:own", "fast"]
+    assert "isd:own=--selfspec-policy own" in extra and "fast:ar-steps=--selfspec-policy ar" in extra
+    args = argparse.Namespace(mode_args=extra, lora=None, temperature=0.0, server_args="")
+    flags, skip = serve._mode_extra(runs[4], args, None)
+    assert skip is None and flags == ["--speculative-algorithm", "ISD", "--selfspec-policy", "own"]
+    before = {"selfspec": {"steps_by_kind": {"own": {"tokens": 10}}}}
+    after = {"selfspec": {"steps_by_kind": {"own": {"tokens": 40}, "lookup": {"tokens": 60}}}}
+    assert serve.kinds_delta(before, after) == {"own": 30, "lookup": 60}
+    assert serve.step_kind_shares([{"own": 30, "lookup": 60}, None, {"ar": 10}]) == {"ar": 0.1, "lookup": 0.6,
+                                                                                    "own": 0.3}
+    assert serve.step_kind_shares([None]) is None and serve.kinds_delta({}, {"selfspec": None}) is None
+
+
 class _Spec:
     def __init__(self, model, port=None, extra_args=()):
         self.extra_args = list(extra_args)
@@ -362,34 +279,3 @@ def _bench_script(name: str):
     spec.loader.exec_module(module)
     return module
 
-
-def test_abba_table_pools_interleaved_runs_and_spreads_their_ratios():
-    """Two interleaved runs: a label's rows are its runs (means), and the spread is of each run's
-    ratio to its own AR: the machine drifted 2x between the runs, the mode's lead did not move."""
-    abba = _bench_script("abba_table")
-
-    def run(ar: float, isd: float) -> dict:
-        def row(label, tok_s):
-            return {"mode": label, "label": label, "status": "ok",
-                    "levels": [{"concurrency": 1, "output_tok_s": tok_s, "tpf": 2.0, "non_loop": None}]}
-        return {"interleave": 2, "results": [row("ar", ar), row("isd", isd)]}
-
-    first, second = run(100.0, 150.0), run(200.0, 300.0)
-    pooled = abba.abba_means(dict(first, results=first["results"] + second["results"]))
-    assert pooled["isd"][1]["tok_s"] == 225.0 and pooled["isd"][1]["runs"] == 2
-    assert pooled["isd"][1]["spread"] == 0.0 and pooled["ar"][1]["spread"] == pytest.approx(2 / 3)
-    assert abba.abba_means(first)["isd"][1]["spread"] is None  # one run: no spread to show
-    assert "| 100 |" in abba.markdown(first)
-
-
-def test_abba_table_plots_each_row_over_ar(tmp_path):
-    abba = _bench_script("abba_table")
-
-    def row(label, tok_s):
-        return {"mode": label, "label": label, "status": "ok",
-                "levels": [{"concurrency": c, "output_tok_s": tok_s * c, "tpf": 1.0, "non_loop": None} for c in (1, 4)]}
-
-    report = {"model": "m", "temperature": 0.0, "results": [row("ar", 100.0), row("isd-tuned", 150.0), row("lookup4", 90.0)]}
-    out = tmp_path / "levels.png"
-    assert abba.plot(report, str(out)) == ["ar", "isd-tuned", "lookup4"]
-    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"

@@ -29,3 +29,25 @@ def parse_modes(text: str | list[str]) -> list[ModeRun]:
             raise ValueError(f"--modes lists {run.label!r} twice; give variants their own labels (LABEL=MODE)")
         runs.append(run)
     return [ModeRun("ar", "ar")] + [r for r in runs if r.label != "ar"]
+
+
+#: The rows `--breakdown` adds before each served selfspec mode (which runs its default policy):
+#: label suffix -> the `--selfspec-policy` that isolates one part of what the mode buys
+#: (`decoding/policy.py`): the worker's own AR steps against stock AR (its batched verify
+#: attention against SGLang's decode forward), lookup steps only, the mode's own steps only.
+BREAKDOWN_POLICIES = (("ar-steps", "ar"), ("lookup", "lookup"), ("own", "own"))
+
+
+def breakdown(runs: list[ModeRun]) -> tuple[list[ModeRun], list[str]]:
+    """`runs` with each served selfspec mode preceded by its breakdown rows (`BREAKDOWN_POLICIES`),
+    and the `--mode-args` entries that serve them."""
+    out: list[ModeRun] = []
+    mode_args: list[str] = []
+    for run in runs:
+        if registry.get(run.mode).sglang_algorithm is not None:
+            for suffix, policy in BREAKDOWN_POLICIES:
+                label = f"{run.label}:{suffix}"
+                out.append(ModeRun(label, run.mode))
+                mode_args.append(f"{label}=--selfspec-policy {policy}")
+        out.append(run)
+    return out, mode_args

@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.benchmarks.modes import parse_modes
+from selfspec.benchmarks.prompt_sets import SET_NAMES, load_prompt_set
 from selfspec.benchmarks.repetition import OutputStat, is_repetition_loop, non_loop_summary, set_ratio_vs_ar
 
 SCHEMA = "selfspec.bench.offline/v1"
@@ -77,12 +78,14 @@ DEFAULT_MODES = "ar,ngram,jacobi,sjd,isd,risd"
 def load_prompts(
     path: str | Path, tokenizer=None, limit: int | None = None
 ) -> tuple[list[str | None], list[list[int]]]:
+    """A named prompt set (`prompt_sets.SET_NAMES`) or a JSON-lines file of {"prompt": text} or
+    {"prompt_ids": [...]} rows: the texts (None for id rows) and the token ids, up to `limit`."""
+    if str(path) in SET_NAMES:
+        rows = [{"prompt": t} for t in load_prompt_set(str(path))]
+    else:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     texts, ids = [], []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        row = json.loads(line)
+    for lineno, row in enumerate(rows, 1):
         if "prompt_ids" in row:
             texts.append(row.get("prompt"))
             ids.append([int(t) for t in row["prompt_ids"]])
@@ -107,7 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated modes (default {DEFAULT_MODES}); LABEL=MODE adds a variant of a mode "
                         "under its own name, e.g. isd,isd-ctx=isd with --mode-config isd-ctx:context_tokens=8")
     parser.add_argument("--model", default="tiny-base", help="embedded model name or checkpoint / adapter dir")
-    parser.add_argument("--prompts", required=True, help='JSON lines: {"prompt": "..."} per line')
+    parser.add_argument("--prompts", default="eval", help="a prompt set: eval (default), tune, humaneval, or a "
+                        'JSON-lines file of {"prompt": "..."} rows')
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=None, help="prompts per batch (default: all)")
     parser.add_argument("--temperature", type=float, default=0.0)

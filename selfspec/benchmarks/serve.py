@@ -37,10 +37,12 @@ JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
      "temperature": float, "concurrency": [int], "device": "cpu" | "cuda", "genai_bench": bool,
      "results": [{"mode": str, "status": "ok" | "skipped" | "error", "reason": str | null,
                   "server_args": [str], "startup_s": float,
-                  "selfspec_plan": dict | null,                # the width plan in its --selfspec-config
+                  "selfspec_plan": dict | null,                # the plan the server runs (its policy's or file's)
+                  "selfspec_policy": str | null,               # the built-in policy, or null: a plan file
                   "levels": [{"concurrency": int, "requests": int, "tokens": int, "wall_s": float,
                               "output_tok_s": float, "tpot_ms_p50": float, "tpot_ms_p99": float,
                               "ttft_ms_p50": float, "tpf": float | null, "ratio_vs_ar": float | null,
+                              "tokens_by_step_kind": {"own" | "lookup" | "ar": share} | null,  # selfspec rows
                               "errors": int, "round_tok_s": [float],  # per chunk (one per round)
                               "genai_bench": {"output_tok_s": float, "tpot_ms_p50": float, ...} | null,
                               "per_request_tok_s": float,     # tokens / sum of request latencies
@@ -51,13 +53,8 @@ JSON (`schema` "selfspec.bench.serve/v1"; keys are only ever added):
                                            "tokens_per_s": float | null,  # tokens / wall_s
                                            "ratio_vs_ar": float | null}  # over AR's, same concurrency
                                           | null,             # null: the server returned no token ids
-                              # with --predictions TUNE.json (AR and the rows served with its plans):
-                              "predicted_tok_s": float | null, "prediction_error": float | null,
-                              "step_error": float | null,
-                              # not on the AR row: predicted / AR's predicted, and over ratio_vs_ar - 1
-                              "predicted_speedup": float | null, "speedup_error": float | null}],
-                  "notes": [str]}],                           # e.g. NGRAM's greedy verify under sampling
-     "predictions": str}                                      # the tune report, with --predictions
+                             }],
+                  "notes": [str]}]}                           # e.g. NGRAM's greedy verify under sampling
 """
 
 from __future__ import annotations
@@ -79,8 +76,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from selfspec.benchmarks import predictions
-from selfspec.benchmarks.modes import ModeRun, parse_modes
+from selfspec.benchmarks.modes import ModeRun, breakdown, parse_modes
+from selfspec.benchmarks.prompt_sets import describe as describe_prompts, load_prompt_set
 
 from selfspec.benchmarks.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
 
@@ -90,9 +87,9 @@ NGRAM_GREEDY_NOTE = ("NGRAM verifies greedily on this build: its sampled rows ar
                      "after the first is the target's argmax, whatever the temperature)")
 
 
-NGRAM_REPEAT_NOTE = ("NGRAM saw these prompts at an earlier level: the levels' windows wrap around the prompts "
-                     "file, and its n-gram corpus keeps every earlier output, so it drafts what it already "
-                     "wrote (keep the levels' requests, each max(--num-prompts, C), within the file's prompts)")
+REPEAT_NOTE = ("this server saw these prompts at an earlier level: the levels' windows wrap around the prompt "
+               "set, and its n-gram corpus keeps every earlier output, so it drafts what it already wrote (keep "
+               "the levels' requests, each max(--num-prompts, C), within the set's prompts)")
 
 
 def ngram_verifies_greedily(device: str) -> bool:
@@ -129,8 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "a variant of a mode under its own name (its flags: --mode-args 'LABEL=...')")
     parser.add_argument("--model", default="tiny-base", help="embedded model name or checkpoint directory")
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrency levels")
-    parser.add_argument("--prompts", default=None,
-                        help="JSON lines with {\"prompt\": text} (default: bench/prompts/heldout.jsonl)")
+    parser.add_argument("--prompts", default="eval",
+                        help="a prompt set: eval (default; what reported numbers use), tune (what plans and constants are "
+                        "fitted on), humaneval (HumanEval's 164 prompts), or a JSON-lines file of {\"prompt\": text}")
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts sent per concurrency level (at least C at level C: a "
                         "level always fills its concurrency)")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
@@ -155,9 +153,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep every mode's server up at once (idle ones asleep) and run each level's prompts in "
                         "ROUNDS chunks, every chunk through every server in turn (order reversed on odd rounds): the "
                         "modes meet the same drift of a shared machine. 0 (default): one server at a time")
-    parser.add_argument("--predictions", default=None, metavar="TUNE.json",
-                        help="a `selfspec tune --json` report: print its predicted tok/s beside the AR row and the "
-                        "rows served with its plans (--mode-args 'LABEL=--selfspec-config <its config>')")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="before each selfspec mode (served at its default policy) add the rows that say where its "
+                        "speed comes from, each the same server with one --selfspec-policy: MODE:ar-steps (plain AR "
+                        "steps on the selfspec worker, against stock AR), MODE:lookup (lookup steps only), MODE:own "
+                        "(the mode's own steps only, no context candidate)")
 
 
 # ---------------------------------------------------------------------------------- one level
@@ -223,6 +223,7 @@ class Chunk:
     errors: list[str]
     wall_s: float
     stats: tuple[int, int] | None = None  # (committed tokens, forwards) the server counted meanwhile
+    kinds: dict[str, int] | None = None  # tokens committed meanwhile by each kind of step (own, lookup, ar)
 
 
 def run_requests(base_url: str, prompts: list[str], concurrency: int, max_tokens: int, temperature: float,
@@ -301,6 +302,15 @@ def loop_split(results: list[dict], has_verify: bool) -> dict:
     return out
 
 
+def kinds_delta(before: dict, after: dict) -> dict[str, int] | None:
+    """Tokens a selfspec server committed between two `server_stats` by each kind of step: the
+    mode's own steps, lookup steps, plain AR steps (`metrics.AggregateStats.by_kind`)."""
+    a, b = (after.get("selfspec") or {}).get("steps_by_kind"), (before.get("selfspec") or {}).get("steps_by_kind")
+    if a is None:
+        return None
+    return {k: v["tokens"] - ((b or {}).get(k) or {}).get("tokens", 0) for k, v in a.items()}
+
+
 def stats_delta(before: dict, after: dict) -> tuple[int, int] | None:
     """(committed tokens, forwards) a selfspec server counted between two `server_stats`."""
     a, b = after.get("selfspec"), before.get("selfspec")
@@ -354,17 +364,6 @@ def run_genai_bench(base_url: str, tokenizer_dir: str, concurrency: list[int], i
 
 
 # ---------------------------------------------------------------------------------- driver
-def load_prompt_texts(path: str | Path) -> list[str]:
-    texts = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            texts.append(row["prompt"])
-    if not texts:
-        raise SystemExit(f"no prompts in {path}")
-    return texts
-
-
 def level_sizes(levels: list[int], num_prompts: int) -> list[int]:
     """Requests per concurrency level: `num_prompts`, or C where C is larger, so a level of
     concurrency C really holds C requests in flight (16 requests at "C=32" would measure C=16)."""
@@ -411,16 +410,22 @@ def run(args: argparse.Namespace) -> int:
         modes = parse_modes(args.modes)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if args.breakdown:
+        modes, extra_args = breakdown(modes)
+        args.mode_args = extra_args + list(args.mode_args)
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     if args.interleave < 0:
         raise SystemExit(f"--interleave {args.interleave}: give the number of rounds (>= 1), or 0 for one server at a time")
-    tune = predictions.load(args.predictions) if args.predictions else None
     model_dir, adapter = resolve_with_adapter(args.model)  # an adapter-only model: its base, and RISD's adapter
     if adapter is not None and args.lora is None:
         args.lora = str(adapter)
-    prompts_file = args.prompts or str(Path(__file__).resolve().parents[2] / "bench" / "prompts" / "heldout.jsonl")
-    all_prompts = load_prompt_texts(prompts_file)
+    all_prompts = load_prompt_set(args.prompts)
     prompts = level_prompts(all_prompts, [args.num_prompts], 0)
+    sent = sum(level_sizes(levels, args.num_prompts))
+    if sent > len(all_prompts):
+        print(f"[bench serve] warning: the levels send {sent} requests but --prompts {args.prompts} holds "
+              f"{len(all_prompts)}: later levels reuse prompts, and every row that keeps a corpus of what it "
+              "served (NGRAM, the selfspec modes) drafts their earlier answers there", file=sys.stderr)
     use_genai = args.genai_bench == "on" or (args.genai_bench == "auto" and genai_bench_available())
     if args.genai_bench == "on" and not genai_bench_available():
         raise SystemExit("--genai-bench on, but genai-bench is not installed (pip install genai-bench)")
@@ -430,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
     input_tokens = _mean_prompt_tokens(model_dir, prompts) if use_genai else 0
 
     report: dict[str, Any] = {
-        "schema": SCHEMA, "model": str(model_dir), "prompts_file": str(prompts_file), "num_prompts": len(prompts),
+        "schema": SCHEMA, "model": str(model_dir), "prompts_file": describe_prompts(args.prompts), "num_prompts": len(prompts),
         "prompts_available": len(all_prompts),
         "max_tokens": args.max_tokens, "temperature": args.temperature, "concurrency": levels,
         "device": "cuda" if gpu else "cpu", "genai_bench": use_genai, "log_dir": str(log_dir), "results": [],
@@ -446,9 +451,6 @@ def run(args: argparse.Namespace) -> int:
                                                      use_genai, input_tokens, ServerProcess, ServerSpec))
 
     finish_report(report)
-    if tune is not None:
-        predictions.attach(report, tune)
-        report["predictions"] = str(args.predictions)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -468,12 +470,14 @@ def finish_report(report: dict) -> None:
     ar_by_c = {lv["concurrency"]: lv for lv in (ar["levels"] if ar else [])}
     greedy_ngram = report["temperature"] > 0 and ngram_verifies_greedily(report["device"])
     sent = sum(level_sizes(report.get("concurrency", []), report.get("num_prompts", 0)))
-    repeats = sent > report.get("prompts_available", math.inf)  # the levels' windows wrap around the file
+    repeats = sent > report.get("prompts_available", math.inf)  # the levels' windows wrap around the set
+    report["prompts_reused"] = repeats
     for r in report["results"]:
         notes = r.setdefault("notes", [])
         if r["status"] == "ok" and registry.get(r["mode"]).builtin_sglang_algorithm == "NGRAM":
             notes += [NGRAM_GREEDY_NOTE] if greedy_ngram else []
-            notes += [NGRAM_REPEAT_NOTE] if repeats else []
+        if r["status"] == "ok" and r["mode"] != "ar" and repeats:
+            notes.append(REPEAT_NOTE)
         for lv in r.get("levels", []):
             base = ar_by_c.get(lv["concurrency"])
             lv["ratio_vs_ar"] = lv["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else None
@@ -494,7 +498,7 @@ def _start_row(run: ModeRun, args, model_dir, log_dir, ServerProcess, ServerSpec
     mode, label = run.mode, run.label
     extra, skip = _mode_extra(run, args, model_dir)
     row: dict[str, Any] = {"mode": mode, "label": label, "status": "ok", "reason": None, "server_args": extra or [], "levels": [],
-                           "notes": [], "selfspec_plan": predictions.served_plan(extra or [])}
+                           "notes": [], "selfspec_plan": None, "selfspec_policy": None}
     if skip:
         row.update(status="skipped", reason=skip)
         print(f"[bench serve] {label}: skipped ({skip})", file=sys.stderr)
@@ -508,6 +512,8 @@ def _start_row(run: ModeRun, args, model_dir, log_dir, ServerProcess, ServerSpec
         row["startup_s"] = time.perf_counter() - t0
         run_level(proc.base_url, ["def warmup():\n"] * 2, 1, min(8, args.max_tokens), args.temperature,
                   False)  # warm-up
+        served = server_stats(proc.base_url).get("selfspec") or {}
+        row.update(selfspec_plan=served.get("plan"), selfspec_policy=served.get("policy"))
     except Exception as e:
         tail = log.read_text()[-3000:] if log.exists() else ""
         row.update(status="error", reason=f"server did not start: {e}\n{tail}")
@@ -520,7 +526,8 @@ def _start_row(run: ModeRun, args, model_dir, log_dir, ServerProcess, ServerSpec
 def _timed_chunk(proc, prompts: list[str], concurrency: int, args) -> Chunk:
     before = server_stats(proc.base_url)
     chunk = run_requests(proc.base_url, prompts, concurrency, args.max_tokens, args.temperature, args.ignore_eos)
-    chunk.stats = stats_delta(before, server_stats(proc.base_url))
+    after = server_stats(proc.base_url)
+    chunk.stats, chunk.kinds = stats_delta(before, after), kinds_delta(before, after)
     return chunk
 
 
@@ -533,10 +540,25 @@ def _level_row(mode: str, label: str, concurrency: int, chunks: list[Chunk]) -> 
         if mode == "ar" and lv["non_loop"] and lv["non_loop"]["outputs"]:
             lv["non_loop"].update(forwards=lv["non_loop"]["tokens"], tpf=1.0)
     lv["genai_bench"] = None
+    lv["tokens_by_step_kind"] = step_kind_shares([ch.kinds for ch in chunks])
+    kinds = " ".join(f"{k} {v:.0%}" for k, v in (lv["tokens_by_step_kind"] or {}).items())
     print(f"[bench serve] {label:6s} C={concurrency:<3d} {lv['output_tok_s']:8.1f} tok/s  TPOT p50 "
-          f"{lv['tpot_ms_p50']:7.1f} ms  TPF {lv['tpf'] if lv['tpf'] is not None else float('nan'):.2f}",
-          file=sys.stderr)
+          f"{lv['tpot_ms_p50']:7.1f} ms  TPF {lv['tpf'] if lv['tpf'] is not None else float('nan'):.2f}"
+          f"{'  tokens from ' + kinds if kinds else ''}", file=sys.stderr)
     return lv
+
+
+def step_kind_shares(kinds: list[dict[str, int] | None]) -> dict[str, float] | None:
+    """The share of a level's decode tokens each kind of step committed (None without the counts)."""
+    counted = [k for k in kinds if k is not None]
+    if not counted:
+        return None
+    total: dict[str, int] = {}
+    for k in counted:
+        for name, n in k.items():
+            total[name] = total.get(name, 0) + n
+    s = sum(total.values())
+    return {name: round(n / s, 3) for name, n in sorted(total.items())} if s > 0 else None
 
 
 def _add_genai_bench(row: dict, proc, args, model_dir, levels, log_dir, input_tokens) -> None:
