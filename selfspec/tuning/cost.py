@@ -13,7 +13,7 @@ import bisect
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -48,85 +48,6 @@ class CostTable:
         return {"batch_sizes": self.batch_sizes, "widths": self.widths, "ms": self.ms}
 
 
-@dataclass
-class StepOverhead:
-    """What a served step costs beyond the grid's forward, measured on a server of the mode
-    (`calibrate.py`) or given by hand. Three parts, each piecewise-linear through measured points
-    and extended along the end segments:
-
-    - `ar_ms` (batch -> ms), paid by every step: scheduling, request bookkeeping, sampling;
-    - `verify_ms` (query tokens batch·width -> ms), paid on top by a step wider than one token:
-      SGLang's extend path, the step mask, the verify rules over every query row. It grows with
-      the rows, which is why a calibration at width 1 alone predicted wide steps too cheap;
-    - `lookup_ms`, the same for a lookup step (a plan's `mode: ngram` bucket), where measured:
-      a chain with no MASK rows, no adapter and no proposals to build, it cost 5 ms less than
-      RISD's own step at batch 1 and 13 query tokens, and priced as one it lost the plans
-      their lookup steps (README "Lookup steps priced as lookup steps").
-    """
-
-    ar_ms: dict[int, float] = field(default_factory=dict)
-    verify_ms: dict[int, float] = field(default_factory=dict)
-    lookup_ms: dict[int, float] = field(default_factory=dict)
-    # "ar" / "verify@W" / "lookup@W" -> batch -> step ms
-    measured: dict[str, dict[int, float]] = field(default_factory=dict)
-    # lookup steps timed at two widths: width -> batch -> excess ms. Where present it prices a
-    # lookup step by its batch and width (linear in the width between and beyond the two): the
-    # served forward's cost grows more slowly with query tokens than the HF engine's grid says
-    # (a C=16 ragged step of 95 real tokens took 2.2 ms less than one of 136, where the grid
-    # put 5.8 ms between them), so an excess keyed by total tokens alone priced short drafts
-    # too cheap (README "Draft lengths that follow each request").
-    lookup_by_width: dict[int, dict[int, float]] = field(default_factory=dict)
-    # what a request costs besides its decode steps (prefill, HTTP, detokenizing), batch-1 AR
-    # server: paid once per request of a bench level. Left out, a fast plan's predicted speed-up
-    # read high by the share it takes of its shorter request time (~5% of a 128-token ISD
-    # request at C=1 here)
-    request_ms: float = 0.0
-    # the mode's own verify steps timed at two widths, the same way: keyed by total query tokens
-    # alone, the excess measured at 13 tokens (batch 1) priced a 4-token ISD step 1.0 ms dearer
-    # than it served, and the tuner chose AR steps at batch 1 where stride 3 served 1.17x them
-    # (README "Stock AR in the tuner's levels, own steps timed at two widths")
-    verify_by_width: dict[int, dict[int, float]] = field(default_factory=dict)
-
-    @staticmethod
-    def linear(base_ms: float, per_request_ms: float = 0.0) -> StepOverhead:
-        """base + per_request × batch on every step, nothing extra for verify steps."""
-        return StepOverhead({1: base_ms + per_request_ms, 2: base_ms + 2 * per_request_ms})
-
-    def ms(self, batch: int, width: int = 1, lookup: bool = False) -> float:
-        """A step of `batch` requests, `width` query tokens each; `lookup`: a lookup step (priced
-        by `lookup_ms` where it was measured, else as any verify step)."""
-        out = _curve(self.ar_ms, batch)
-        by_width = self.lookup_by_width if lookup else self.verify_by_width
-        if width > 1 and len(by_width) >= 2:
-            widths = sorted(by_width)
-            out += _interp(widths, [_curve(by_width[w], batch) for w in widths], width)
-        elif width > 1:
-            out += _curve(self.lookup_ms if lookup and self.lookup_ms else self.verify_ms, batch * width)
-        return out
-
-    def to_dict(self) -> dict:
-        return {"ar_ms": self.ar_ms, "verify_ms": self.verify_ms, "lookup_ms": self.lookup_ms,
-                "measured_step_ms": self.measured, "lookup_by_width": self.lookup_by_width,
-                "verify_by_width": self.verify_by_width, "request_ms": self.request_ms}
-
-    @staticmethod
-    def from_dict(d: dict) -> StepOverhead:
-        """The inverse of `to_dict`, from its JSON form too (keys written as strings)."""
-        pts = lambda m: {int(float(k)): float(v) for k, v in (m or {}).items()}  # noqa: E731
-        return StepOverhead(pts(d.get("ar_ms")), pts(d.get("verify_ms")), pts(d.get("lookup_ms")),
-                            {what: pts(m) for what, m in (d.get("measured_step_ms") or {}).items()},
-                            {int(w): pts(m) for w, m in (d.get("lookup_by_width") or {}).items()},
-                            float(d.get("request_ms") or 0.0),
-                            {int(w): pts(m) for w, m in (d.get("verify_by_width") or {}).items()})
-
-
-def _curve(points: dict[int, float], x: float) -> float:
-    if not points:
-        return 0.0
-    xs = sorted(points)
-    return _interp(xs, [points[k] for k in xs], x)
-
-
 def _isotonic(ys: list[float]) -> list[float]:
     """Pool-adjacent-violators: the non-decreasing sequence nearest to ys in least squares."""
     blocks: list[list[float]] = []  # [sum, count]
@@ -151,7 +72,8 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-#: Sweeps of the forward-cost grid (`measure`).
+#: Sweeps of the forward-cost grid (`measure`), the fastest kept per point: a slowdown of the
+#: shared machine lasts longer than one point's reps, rarely as long as a sweep.
 GRID_PASSES = 2
 
 
@@ -159,9 +81,7 @@ def measure(forward: Callable[[int, int], Callable[[], None]], batch_sizes: list
             reps: int = 5, progress=None, passes: int = GRID_PASSES) -> CostTable:
     """`forward(batch, width)` prepares one grid point and returns the call to time. Each point
     is the median of `reps` forwards, taken in `passes` sweeps of the whole grid, the fastest
-    sweep kept: a slowdown of the shared machine lasts longer than one point's reps (one such
-    spike, 15 ms for ~11 at batch 4 width 12, turned a tuned ISD plan's batch-4 bucket from
-    an 8- to a 4-token candidate), rarely as long as a sweep."""
+    sweep kept."""
     if passes < 1:
         raise ValueError(f"cost grid: passes must be >= 1, got {passes}")
     ms = [[float("inf")] * len(widths) for _ in batch_sizes]
