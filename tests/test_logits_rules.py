@@ -182,6 +182,27 @@ def test_grammar_constrained_modes_equal_ar(base_engine, grammar):
         assert [o.token_ids for o in got] == [o.token_ids for o in ar], mode
 
 
+def test_a_grammar_that_must_end_before_min_tokens_ends_the_sequence(base_engine):
+    """Digits up to 6 and min_tokens 8: once the digits run out the grammar allows only the end,
+    which min_tokens holds back. Every mode ends the sequence there (the grammar wins), greedy
+    and sampled; no row of -inf everywhere draws a token the grammar rejects (sampled AR drew
+    the last vocabulary id and the grammar refused it)."""
+    from selfspec.engines.grammar import XGrammar
+
+    eng = base_engine
+    vocab = eng.model.get_output_embeddings().weight.shape[0]
+    eos = eng.tokenizer.eos_token_id
+    prompts = [eng.encode("x = "), eng.encode("count: ")]
+    for mode in ("ar", "isd", "sjd", "ngram"):
+        for sp in (SamplingParams(min_new_tokens=8), SamplingParams(temperature=1.3, min_new_tokens=8)):
+            grammars = [XGrammar.compile(eng.tokenizer, vocab, regex=r"[0-9]{1,6}") for _ in prompts]
+            outs = eng.generate(prompts, 12, sp, mode=mode, grammars=grammars, stop_token_ids=[eos], seed=[3, 4])
+            for o in outs:
+                assert o.finish_reason == "stop" and o.token_ids[-1] == eos, (mode, o.token_ids)
+                digits = eng.tokenizer.decode(o.token_ids[:-1])
+                assert digits.isdigit() and len(digits) <= 6, (mode, digits)
+
+
 class EvenTokens:
     """A stand-in grammar: only even token ids, whatever came before."""
 

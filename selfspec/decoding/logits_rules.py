@@ -17,7 +17,10 @@ Semantics are SGLang 0.5.23's penalizers (`sampling/penaltylib/`) as its schedul
 token has appeared; min_new_tokens adds -inf to the stop tokens while the output is shorter;
 these additive terms first, then repetition (logit / r where the logit is positive, × r where
 negative, for tokens that have appeared); then the grammar mask (-inf outside the tokens the
-sequence's `TokenConstraint` allows after the row's path); then logit_bias is added.
+sequence's `TokenConstraint` allows after the row's path); then logit_bias is added. Where the
+grammar allows nothing but the stop tokens min_new_tokens holds back (a grammar that must end
+before min_new_tokens), the grammar wins at that row: every engine ends the sequence there, where
+a row of -inf everywhere would have drawn a token the grammar rejects.
 
 A row whose path the constraint cannot follow (a draft the grammar rejects) is left unmasked:
 its parent row masks that draft to -inf, so verification rejects it and the row decides
@@ -170,9 +173,11 @@ def apply_logits_rules(logits: torch.Tensor, seqs: Sequence[DecodeSequence], bat
                 row = row - sp.frequency_penalty * counts
             if sp.presence_penalty:
                 row = row - sp.presence_penalty * (counts > 0).float()
+        held = None  # the stop tokens' logits min_new_tokens holds back, and the rows it holds them in
         if sp.min_new_tokens and seq.stop_ids:
             short = (len(seq.output) + depth) < sp.min_new_tokens  # [W]
             stops = torch.tensor(sorted(t for t in seq.stop_ids if 0 <= t < vocab), dtype=torch.long, device=dev)
+            held = (stops, row[:, stops].clone(), short)
             row[:, stops] += torch.where(short.unsqueeze(-1), float("-inf"), 0.0)
         if sp.repetition_penalty != 1.0:  # scaling after every additive term, as SGLang orders them
             r = sp.repetition_penalty
@@ -183,6 +188,12 @@ def apply_logits_rules(logits: torch.Tensor, seqs: Sequence[DecodeSequence], bat
                 allowed = seq.constraint.allowed(path, vocab)
                 if allowed is not None:
                     row[i] = torch.where(allowed.to(dev), row[i], float("-inf"))
+                    if held is not None and bool(held[2][i]) and not torch.isfinite(row[i]).any():
+                        # the grammar allows only what min_new_tokens holds back (it must end
+                        # here): the grammar wins, the sequence ends short of min_new_tokens
+                        # rather than with a token the grammar rejects
+                        stops, before, _ = held
+                        row[i, stops] = torch.where(allowed.to(dev)[stops], before[i], float("-inf"))
         if sp.logit_bias:
             ids = torch.tensor([t for t, _ in sp.logit_bias], dtype=torch.long, device=dev)
             vals = torch.tensor([v for _, v in sp.logit_bias], dtype=torch.float32, device=dev)
