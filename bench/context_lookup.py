@@ -26,7 +26,7 @@ tokens (the forward alone, no server overhead: a comparison of drafters, not a p
 server). It needs no accelerator and takes about a minute on 2 CPU cores (most of it generating
 the AR outputs):
 
-    python bench/context_lookup.py --model tiny-idlm --tokens 8,12,16 [--costs bench/results/tune-vm-q.json] [--json out.json]
+    python bench/context_lookup.py --model tiny-idlm --tokens 8,12,16 [--costs TUNE.json] [--json out.json]
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def replay(drafter, data: list[tuple[list[int], list[int]]], levels: list[int], 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-idlm", help="an embedded model name or a model dir (default %(default)s)")
-    p.add_argument("--prompts", default="bench/prompts/heldout.jsonl", help="JSON lines {\"prompt\": ...}")
+    p.add_argument("--prompts", default="tune", help="a prompt set (tune, eval, humaneval) or JSON lines {\"prompt\": ...}")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per level, as bench serve (default 32)")
     p.add_argument("--concurrency", default="1,4,16,32", help="levels, as bench serve (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="AR output tokens per request (default 128)")
@@ -186,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in args.tokens.split(",")]
     except ValueError:
         p.error("--concurrency and --tokens take comma-separated integers, e.g. 1,4,16")
-    if not Path(args.prompts).is_file():
-        p.error(f"--prompts {args.prompts}: no such file")
+    from selfspec.benchmarks.prompt_sets import SET_NAMES
+
+    if args.prompts not in SET_NAMES and not Path(args.prompts).is_file():
+        p.error(f"--prompts {args.prompts}: no such file (or a set: {', '.join(SET_NAMES)})")
     costs = None
     if args.costs:
         from selfspec.tuning.cost import CostTable

@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="per-mode options, e.g. isd:stride=4,tau=0.5 (repeatable)")
     parser.add_argument("--config", action="append", default=[], metavar="MODE|LABEL:FILE.yaml",
                         help="a serving config for one row (its options and width plan, e.g. what `selfspec tune` "
-                        "wrote): isd-tuned:serving_configs/tuned-vm-isd.yaml with --modes ...,isd-tuned=isd (repeatable)")
+                        "wrote): isd-tuned:plan.yaml with --modes ...,isd-tuned=isd (repeatable)")
     parser.add_argument("--adapter", default=None, help="RISD adapter dir (PEFT format)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")

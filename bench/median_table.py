@@ -1,0 +1,114 @@
+"""Repeated `selfspec bench serve` runs of the same rows as one table of medians.
+
+Each run is one interleaved report (`--json`); per row and concurrency level this prints the
+median over the runs of output tok/s over AR's and over NGRAM's in the same run, on all outputs
+and on the non-looping ones (their per-request tok/s), the tokens per forward, and which kind of
+step committed the row's tokens. A run's ratios compare rows that met the same machine at the
+same time; the median of three keeps one disturbed run from deciding a cell.
+
+    python bench/median_table.py RUN1.json RUN2.json RUN3.json [--markdown] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def _level(row: dict, c: int) -> dict | None:
+    return next((lv for lv in row.get("levels", []) if lv["concurrency"] == c), None)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _median(values: list[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def cells(reports: list[dict]) -> dict:
+    """label -> concurrency -> the medians over the reports."""
+    out: dict = {}
+    labels = [r["label"] for r in reports[0]["results"] if r["status"] == "ok"]
+    for label in labels:
+        for c in reports[0]["concurrency"]:
+            per_run = []
+            for rep in reports:
+                rows = {r["label"]: r for r in rep["results"] if r["status"] == "ok"}
+                lv, ar = _level(rows.get(label, {}), c), _level(rows.get("ar", {}), c)
+                ng = _level(rows.get("ngram", {}), c)
+                if lv is None:
+                    continue
+                nl = lv.get("non_loop") or {}
+                nl_rate = nl.get("tokens_per_s")
+                per_run.append({
+                    "tok_s": lv["output_tok_s"], "x_ar": _ratio(lv["output_tok_s"], ar and ar["output_tok_s"]),
+                    "x_ngram": _ratio(lv["output_tok_s"], ng and ng["output_tok_s"]),
+                    "nl_x_ar": _ratio(nl_rate, ar and (ar.get("non_loop") or {}).get("tokens_per_s")),
+                    "nl_x_ngram": _ratio(nl_rate, ng and (ng.get("non_loop") or {}).get("tokens_per_s")),
+                    "tpf": lv.get("tpf"), "nl_tpf": nl.get("tpf"), "loops": lv.get("repetition_loops"),
+                    "kinds": lv.get("tokens_by_step_kind")})
+            med = {k: _median([p[k] for p in per_run]) for k in ("tok_s", "x_ar", "x_ngram", "nl_x_ar", "nl_x_ngram",
+                                                                   "tpf", "nl_tpf")}
+            med["runs"] = len(per_run)
+            med["x_ngram_runs"] = [p["x_ngram"] for p in per_run]
+            kinds: dict = {}
+            for p in per_run:
+                for k, v in (p["kinds"] or {}).items():
+                    kinds.setdefault(k, []).append(v)
+            med["kinds"] = {k: round(statistics.median(v), 2) for k, v in sorted(kinds.items())}
+            out.setdefault(label, {})[c] = med
+    return out
+
+
+def table(reports: list[dict], markdown: bool) -> str:
+    med = cells(reports)
+    levels = reports[0]["concurrency"]
+
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    head = ["row"] + [f"C={c}" for c in levels] + ["TPF " + " / ".join(str(c) for c in levels)]
+    lines = []
+    for label, by_c in med.items():
+        row = [label]
+        for c in levels:
+            m = by_c[c]
+            row.append(f"{f(m['x_ar'])} ({f(m['nl_x_ar'])}) [{f(m['x_ngram'])} / {f(m['nl_x_ngram'])}]")
+        row.append(" / ".join(f(by_c[c]["tpf"]) for c in levels))
+        lines.append(row)
+    kinds = [f"{label}: " + "; ".join(f"C={c} " + ", ".join(f"{k} {v:.0%}" for k, v in by_c[c]["kinds"].items())
+                                      for c in levels if by_c[c]["kinds"])
+             for label, by_c in med.items() if any(by_c[c]["kinds"] for c in levels)]
+    legend = (f"median of {len(reports)} runs; cell: x AR (non-looping x AR) [x NGRAM / non-looping x NGRAM]; "
+              f"prompts {reports[0].get('prompts_file')}, T={reports[0].get('temperature')}")
+    if markdown:
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in lines]
+    else:
+        widths = [max(len(r[i]) for r in [head, *lines]) for i in range(len(head))]
+        out = ["  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in [head, *lines]]
+    return "\n".join(out + ["", legend, "tokens by kind of step (median share): " + (" | ".join(kinds) or "-")])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("reports", nargs="+", help="`selfspec bench serve --json` reports of the same rows")
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--json", default=None, help="write the medians here")
+    args = p.parse_args(argv)
+    reports = [json.loads(Path(r).read_text()) for r in args.reports]
+    if len({tuple(r["concurrency"]) for r in reports}) != 1:
+        p.error("the reports' concurrency levels differ")
+    print(table(reports, args.markdown))
+    if args.json:
+        Path(args.json).write_text(json.dumps(cells(reports), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
