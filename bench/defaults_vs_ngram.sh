@@ -28,3 +28,18 @@ done
 bench --model tiny-idlm --modes ar,ngram,isd --breakdown --prompts humaneval --json "$out/breakdown-greedy-humaneval.json"
 bench --model tiny-idlm --modes ar,ngram,isd --breakdown --prompts humaneval --temperature 0.7 \
   --json "$out/breakdown-t07-humaneval.json"
+# the medians, one table per set (bench/results/defaults/README.md)
+{
+  echo "# Every mode at its defaults beside stock AR and SGLang's NGRAM"; echo
+  echo "Written by \`bash bench/defaults_vs_ngram.sh\`: median of the runs in this folder. Cell: output"
+  echo "tok/s x AR (non-looping x AR) [x NGRAM / non-looping x NGRAM]. SGLang's NGRAM on CPU commits"
+  echo "argmax tokens at any temperature (eagle_utils._verify_uses_greedy): its T=0.7 rows are greedy."; echo
+  for set in greedy-eval greedy-humaneval t07-eval t07-humaneval risd-greedy-eval risd-greedy-humaneval; do
+    echo "### $set"; echo
+    .venv/bin/python bench/median_table.py "$out"/$set-[0-9]*.json --markdown; echo
+  done
+  for p in eval humaneval; do
+    echo "### risd-t07-$p"; echo
+    .venv/bin/python bench/median_table.py "$out/risd-t07-$p.json" --markdown; echo
+  done
+} > "$out/README.md"

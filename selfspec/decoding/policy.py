@@ -12,16 +12,18 @@ the wider the batch the sooner it turns linear. So, per step, from the batch it 
 - wide greedy batches run the narrow lookup step: a drafted token must be likely to pay its cost;
 - sampled batches run plain AR steps, at every batch size: on the tune prompts at temperature
   0.7 no speculative step beat them (ISD's own stride-2 step with a 4-token candidate read
-  0.98 / 0.98 / 0.86x stock AR at C = 1 / 4 / 16, the worker's AR steps 1.04 / 1.16 / 1.30x), and
-  one step kind at every batch size keeps a seeded sampled request's output the same alone and
-  in any batch.
+  0.98 / 0.98 / 0.86x stock AR at C = 1 / 4 / 16, the worker's AR steps 1.04 / 1.16 / 1.30x;
+  sampled lookup steps accept little at T=0.7, 1.25-1.34 tokens per step, and read 0.85-1.10x
+  the AR steps at C = 1 / 4 / 16 / 32: bench/results/policy/tune-t07-lookup.json), and one step
+  kind at every batch size keeps a seeded sampled request's output the same alone and in any
+  batch.
 
 The run-time check (`width_plan.OnlineCheck`) then measures, per batch-size class of greedy
 batches, the plan's arm against plain AR steps and, at small batches, against the lookup step of
 the same candidate (whether the mode's own proposals pay for their query tokens depends on the
 model), and serves the fastest: a policy that does not pay on some machine or model falls back
 by measurement. Nothing here is measured at start-up; the constants below were chosen on the
-`tune` prompts on a 2-core CPU (docs/serving.md: the policy's measurements).
+`tune` prompts on a 2-core CPU (README: the default policy; `bench/results/policy/`).
 
 On CUDA the verify width is captured once: the policy's widest bucket sets it, and narrower
 steps pad to it (the worker's fixed forward width).

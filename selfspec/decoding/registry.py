@@ -78,7 +78,7 @@ class ModeSpec:
 
 _ISD_FIELDS = ("stride", "mask_token_id")
 #: stride 2 (3 query tokens besides the candidate) at small batches: measured on the tune prompts
-#: (docs: the policy's measurements) against strides 3 and 4
+#: against strides 3 and 4 (bench/results/policy/tune-greedy-small-batches.json)
 _ISD_POLICY = {"stride": 2, "context_tail": False}
 #: a 4-token block and no pool candidates beside the context candidate: on tiny-idlm's tune
 #: prompts 583 / 954 tok/s at C = 1 / 2 against 556 / 855 with the mode's defaults (8, 4 pool
