@@ -285,3 +285,13 @@ def test_seeded_sampling_equals_the_reference_engine(server, heldout_ids, tiny_b
         got = native_generate(server.base_url, heldout_ids[i], 24, temperature=0.8, top_k=30, top_p=0.9,
                               sampling_seed=4321 + i, **extra)
         assert got["output_ids"] == ref[0].token_ids, i
+
+
+def test_fuzzed_request_mixes_isd(server, heldout_ids, ar_reference, tokenizer, tiny_base_path):
+    """Mixes of every request feature sent at once (`sglang_fixtures.check_fuzz`): no 5xx, AR's
+    statuses, greedy outputs equal to AR's, no [MASK] token, no KV left."""
+    from sglang_fixtures import check_fuzz
+
+    statuses = check_fuzz(server.base_url, heldout_ids, ar_reference, tiny_base_path,
+                          mask_token_id=tokenizer.mask_token_id)
+    assert statuses.get(200, 0) >= 60, statuses

@@ -66,3 +66,13 @@ def test_jacobi_logprobs_equal_ar(server, heldout_ids, ar_reference):
     from sglang_fixtures import check_logprobs_match_ar
 
     check_logprobs_match_ar(server.base_url, heldout_ids, ar_reference)
+
+
+def test_fuzzed_request_mixes_jacobi(server, heldout_ids, ar_reference, tokenizer, tiny_base_path):
+    """Mixes of every request feature sent at once (`sglang_fixtures.check_fuzz`): no 5xx, AR's
+    statuses, greedy outputs equal to AR's, no [MASK] token, no KV left."""
+    from sglang_fixtures import check_fuzz
+
+    statuses = check_fuzz(server.base_url, heldout_ids, ar_reference, tiny_base_path,
+                          mask_token_id=tokenizer.mask_token_id, greedy_only=True)
+    assert statuses.get(200, 0) >= 20, statuses

@@ -95,13 +95,17 @@ def engines():
     return get
 
 
-def rank_states(base_url: str) -> list[dict]:
-    """/server_info's internal state of each data-parallel rank (tensor-parallel ranks share one)."""
+def server_info(base_url: str) -> dict:
     import json
     import urllib.request
 
     with urllib.request.urlopen(base_url + "/server_info", timeout=60) as r:
-        return json.loads(r.read())["internal_states"]
+        return json.loads(r.read())
+
+
+def rank_states(base_url: str) -> list[dict]:
+    """/server_info's internal state of each data-parallel rank (tensor-parallel ranks share one)."""
+    return server_info(base_url)["internal_states"]
 
 
 def wait_all_ranks_idle(base_url: str, timeout: float = 30.0) -> list[int]:
@@ -117,10 +121,9 @@ def wait_all_ranks_idle(base_url: str, timeout: float = 30.0) -> list[int]:
 
 @cases(CASES)
 def test_started_with_the_parallel_layout(case):
-    log = case["server"].log_file.read_text()
-    ranks = ("TP0", "TP1") if case["parallel"] == "tp" else ("DP0", "DP1")
-    assert all(f" {r}]" in log for r in ranks), ranks
-    assert len(rank_states(case["server"].base_url)) == (2 if case["parallel"] == "dp" else 1)
+    info = server_info(case["server"].base_url)
+    assert (info["tp_size"], info["dp_size"]) == ((2, 1) if case["parallel"] == "tp" else (1, 2)), info
+    assert len(info["internal_states"]) == (2 if case["parallel"] == "dp" else 1)
 
 
 @cases(CASES)

@@ -89,3 +89,13 @@ def test_a_repeated_request_is_drafted_from_the_first(server, heldout_ids):
     assert second["output_ids"] == first["output_ids"]
     steps = [r["meta_info"]["spec_verify_ct"] for r in (first, second)]
     assert steps[1] <= 0.75 * steps[0], steps
+
+
+def test_fuzzed_request_mixes_sjd(server, heldout_ids, ar_reference, tokenizer, tiny_base_path):
+    """Mixes of every request feature sent at once (`sglang_fixtures.check_fuzz`): no 5xx, AR's
+    statuses, greedy outputs equal to AR's, no [MASK] token, no KV left."""
+    from sglang_fixtures import check_fuzz
+
+    statuses = check_fuzz(server.base_url, heldout_ids, ar_reference, tiny_base_path,
+                          mask_token_id=tokenizer.mask_token_id)
+    assert statuses.get(200, 0) >= 60, statuses

@@ -22,13 +22,16 @@ class XGrammar:
 
     @classmethod
     def compile(cls, tokenizer, vocab_size: int, *, regex: str | None = None, json_schema: str | None = None,
-                ebnf: str | None = None) -> XGrammar:
-        """One of regex / json_schema (a JSON string) / ebnf, for a Hugging Face tokenizer."""
+                ebnf: str | None = None, stop_token_ids: list[int] | None = None) -> XGrammar:
+        """One of regex / json_schema (a JSON string) / ebnf, for a Hugging Face tokenizer; the
+        tokens that may end the grammar are `stop_token_ids` (default: the tokenizer's EOS), as a
+        server passes the model's stop tokens to its grammar backend."""
         import xgrammar as xgr
 
         if sum(x is not None for x in (regex, json_schema, ebnf)) != 1:
             raise ValueError("give exactly one of regex, json_schema, ebnf")
-        compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        compiler = xgr.GrammarCompiler(info)
         if regex is not None:
             return cls(compiler.compile_regex(regex))
         if json_schema is not None:

@@ -74,6 +74,8 @@ class AggregateStats:
         # per kind of step ("own": the mode's own, "lookup", "ar"): [steps, request-steps, tokens];
         # what part of the output each kind of step committed
         self.by_kind: dict[str, list[int]] = {}
+        self.by_width: dict[int, int] = {}  # steps per forward width (query tokens per request)
+        self.adapter: dict | None = None  # the gated LoRA attached (modes that need one)
         self._gauges = None
         self._last_log = time.monotonic()
 
@@ -95,6 +97,7 @@ class AggregateStats:
         counts[0] += 1
         counts[1] += batch_size
         counts[2] += committed
+        self.by_width[width] = self.by_width.get(width, 0) + 1
         self.window_width += width
         self.last_step_width = width
         self.window_req_forwards += batch_size
@@ -112,6 +115,8 @@ class AggregateStats:
         out["ar_steps"] = self.ar_steps
         out["ar_steps_as_decode"] = self.ar_steps_as_decode
         out["steps_by_kind"] = {k: {"steps": v[0], "request_steps": v[1], "tokens": v[2]} for k, v in self.by_kind.items()}
+        out["steps_by_width"] = {str(k): v for k, v in sorted(self.by_width.items())}
+        out["adapter"] = self.adapter
         return out
 
     def flush(self) -> None:

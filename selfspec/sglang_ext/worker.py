@@ -210,6 +210,8 @@ class SelfSpecWorker(BaseSpecWorker):
             handle = loramod.attach_to_sglang_model(self.model_runner.model, self.cfg.adapter)
             logger.info("[selfspec] %s gated LoRA attached: %r", self.cfg.algorithm, handle)
             self.gate = handle.gate
+            self.stats.adapter = {"path": str(self.cfg.adapter), "layers": len(handle.layers),
+                                  "embeddings": len(handle.embeddings)}
             if torch.device(self.device).type == "cuda":
                 self.gate.buffer = torch.zeros(self._max_graph_tokens(), dtype=torch.bool, device=self.device)
         logger.info("[selfspec] worker ready: %s", self.cfg.describe())
