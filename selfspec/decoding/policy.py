@@ -61,7 +61,11 @@ class PolicyConfig:
     # 32 x 2 read 702 tok/s against 665 for 16 uncapped (NGRAM 630)
     context_tokens: int = 32
     context_length_factor: float = 2.0
-    lookup_tokens: int = 12  # the long lookup's longest draft
+    # the long lookup's longest draft, one chain: a second branch (the match's next-best
+    # continuation) committed more per step on the tune prompts (TPF 3.92 / 4.77 against 3.78 /
+    # 4.30 at C = 4 / 16) but read 0.89 / 0.86x the chain's tok/s for its wider forward
+    # (bench/results/policy/tune-greedy-branches.json)
+    lookup_tokens: int = 12
     lookup_length_factor: float = 1.0  # ... at most this many times as long as its match
     wide_tokens: int = 4  # the narrow lookup's draft
 
