@@ -12,7 +12,7 @@ SuffixIndex already searched, with the lagged-copy rule for loops): of its lates
 occurrences, the continuation most of them agree on, token by token (`majority_path`). Where a
 suffix recurs across requests, the text that followed it most often is a better guess than the
 text that followed it last: tokens committed per step of a 12-token candidate +6% at C=4, +4%
-at C=16 (`bench/context_lookup.py`, README "Candidates most occurrences agree on").
+at C=16 (`python bench/context_lookup.py`).
 
 Used for greedy rows only: the candidate is verified, so any source is lossless, but a seeded
 sampled request must not draw differently because of what other requests said before it.

@@ -75,7 +75,8 @@ class ISDConfig:
     # sampled decoding: proposals "sample"d from the MASK rows' distribution q and verified
     # against that q (accepted with probability sum min(p, q)), or "argmax" proposals (the I-DLM
     # paper's). Greedy rows propose by argmax either way; sampling measured higher acceptance
-    # on tiny-idlm at T=0.7 (README "Context candidates and sampled proposals").
+    # on tiny-idlm at T=0.7 (`selfspec bench offline --modes isd --temperature 0.7` with
+    # `--mode-config isd:proposal=argmax` against the default).
     proposal: str = "sample"
     # under a grammar, each proposal is drawn from its MASK row masked by what the grammar allows
     # after the tokens before it (bench/grammar_proposals.py measures what it buys)

@@ -35,10 +35,10 @@ from selfspec.decoding.step import (
 #: Suffix lengths a context candidate looks up, longest first. Once a server's corpus holds other
 #: requests' text a 3-gram recurs in many places and its latest occurrence is often the wrong
 #: one; a longer match picks the continuation: ISD tokens per step +5-6% served-like (held-out
-#: prompts after 64 others, README "Longer context matches"), -1.5% on 16 prompts with no corpus.
+#: prompts after 64 others, `python bench/context_lookup.py`), -1.5% on 16 prompts with no corpus.
 #: Length 1 (the last token alone, as SGLang's NGRAM also matches) drafts where nothing longer
 #: recurs: NGRAM, which does, had a candidate accepted in a fifth of the steps where ours had none
-#: (README, session j).
+#: (the same replay).
 CONTEXT_MATCH_SIZES = (8, 6, 4, 3, 2, 1)
 
 #: The longest candidate a weak first match drafts, by (the match is in the sequence's own text,

@@ -71,7 +71,8 @@ class OnlineCheckConfig:
     # 1-token steps) and AR steps cannot see a repetitive stretch coming back, so the plan must
     # lose over a long window before AR takes over: with 0.8 (~5 steps) a greedy batch-1 ISD
     # server ran AR on over half its steps, with 0.95 an SJD one on 39% of them, 13% slower
-    # than with no check (README "Online check").
+    # than with no check (`selfspec bench serve` with `online: false` in the plan against the
+    # default).
     decay: float = 0.99
     margin: float = 0.03  # the other arm must be this much faster to take over
     # AR steps probe the plan at once when this many tokens of a sequence's context candidate came

@@ -187,7 +187,8 @@ class SelfSpecWorker(BaseSpecWorker):
         self._padded_logits = PadBuffer()
         # one-token steps as SGLang's decode forward: on a CPU the verify path runs them faster
         # (`sglang_ext.attention`: one batched SDPA against torch_native's decode loop over
-        # requests, README "AR steps on the verify path"); elsewhere the decode path (and its graphs)
+        # requests: `selfspec bench serve --breakdown`, the "ar-steps" row against stock AR at
+        # C >= 4); elsewhere the decode path (and its graphs)
         self._ar_as_decode = torch.device(self.device).type != "cpu"
         self.mode = cfgmod.build_mode(self.cfg, padded=not self._ragged_verify)
         if getattr(self.mode, "check", None) is not None and not timing_check_allowed(server_args):
