@@ -169,7 +169,7 @@ def distribution_pvalues(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> 
     """Two-sample homogeneity p-values: the joint of the first 3 tokens and each position's token."""
     from collections import Counter
 
-    from selfspec.engines.testing import two_sample_pvalue
+    from model_helpers import two_sample_pvalue
 
     out = {"joint[:3]": two_sample_pvalue(Counter(x[:3] for x in a), Counter(x[:3] for x in b))[1]}
     for pos in range(SAMPLE_LEN):

@@ -12,7 +12,7 @@ from selfspec.benchmarks import offline
 from selfspec.benchmarks.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.engines.generate import GenerationOutput
-from selfspec.engines.testing import save_random_adapter, tiny_qwen3
+from model_helpers import save_random_adapter, tiny_qwen3
 from selfspec.models import ASSETS_DIR
 
 PROMPTS = [

@@ -22,7 +22,7 @@ from selfspec.decoding.step import DecodeSequence, branch_visibility
 from selfspec.decoding.tree_verify import DraftPath, PathResult, verify_paths
 from selfspec.decoding.verify import speculative_verify_reference
 from selfspec.engines.hf import HFEngine
-from selfspec.engines.testing import (
+from model_helpers import (
     add_mask_token, chi_square_pvalue, compare_greedy, exact_distribution, random_prompts, save_random_adapter,
     tiny_qwen3,
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from selfspec.engines.hf import HFEngine
-from selfspec.engines.testing import add_mask_token, compare_greedy, random_prompts, save_random_adapter, tiny_qwen3
+from model_helpers import add_mask_token, compare_greedy, random_prompts, save_random_adapter, tiny_qwen3
 
 VOCAB = 128
 MAX_NEW = 24

@@ -11,7 +11,7 @@ from selfspec.decoding.isd import ISDConfig, ISDMode, ISDState, build_layout, co
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.decoding.step import DecodeSequence, StepContext, collate
 from selfspec.engines.hf import HFEngine
-from selfspec.engines.testing import add_mask_token, random_prompts, tiny_qwen3
+from model_helpers import add_mask_token, random_prompts, tiny_qwen3
 
 M = 99  # mask token id in the pure tests
 

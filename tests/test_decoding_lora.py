@@ -11,7 +11,7 @@ import torch
 
 from selfspec.engines.hf import HFEngine
 from selfspec.engines.lora import attach_gated_adapter
-from selfspec.engines.testing import add_mask_token, random_prompts, save_random_adapter, tiny_qwen3
+from model_helpers import add_mask_token, random_prompts, save_random_adapter, tiny_qwen3
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: 1 thread is faster

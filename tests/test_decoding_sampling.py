@@ -15,7 +15,7 @@ import torch
 from selfspec.decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
 from selfspec.decoding.verify import speculative_verify_reference as speculative_verify
 from selfspec.engines.hf import HFEngine
-from selfspec.engines.testing import (
+from model_helpers import (
     add_mask_token, chi_square_pvalue, exact_distribution, save_random_adapter, tiny_qwen3, total_variation,
 )
 

@@ -9,7 +9,7 @@ import torch
 
 from selfspec.engines.generate import StepEvent
 from selfspec.engines.hf import HFEngine
-from selfspec.engines.testing import add_mask_token, random_prompts, tiny_qwen3
+from model_helpers import add_mask_token, random_prompts, tiny_qwen3
 
 VOCAB = 96
 MAX_NEW = 20

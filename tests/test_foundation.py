@@ -181,7 +181,7 @@ def test_serve_cpu_defaults_and_passthrough(tiny_base_path, monkeypatch):
 
 def _adapter_over_tiny_base(tmp_path):
     """An adapter-only checkpoint naming the embedded tiny-base in its selfspec.json."""
-    from selfspec.engines.testing import save_random_adapter, tiny_qwen3
+    from model_helpers import save_random_adapter, tiny_qwen3
 
     adapter = save_random_adapter(tiny_qwen3(64, seed=0), tmp_path / "adapter")
     (adapter / "selfspec.json").write_text(json.dumps({"format_version": 1, "mode": "RISD", "stride": 4,

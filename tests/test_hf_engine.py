@@ -10,7 +10,7 @@ import torch
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.decoding.step import ModeUnavailable
 from selfspec.engines.hf import GenerationOutput, HFEngine
-from selfspec.engines.testing import compare_greedy, random_prompts, tiny_qwen3
+from model_helpers import compare_greedy, random_prompts, tiny_qwen3
 
 VOCAB = 97
 

@@ -17,7 +17,7 @@ from selfspec.decoding.logits_rules import apply_logits_rules
 from selfspec.decoding.sampling import SamplingParams, logits_to_probs
 from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, collate
 from selfspec.engines.hf import HFEngine
-from selfspec.engines.testing import add_mask_token, tiny_qwen3
+from model_helpers import add_mask_token, tiny_qwen3
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

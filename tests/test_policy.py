@@ -14,7 +14,7 @@ from selfspec.decoding import registry
 from selfspec.decoding.policy import POLICY_NAMES, PolicyConfig, policy_plan
 from selfspec.decoding.width_plan import WidthPlan
 from selfspec.engines.hf import HFEngine
-from selfspec.engines.testing import (
+from model_helpers import (
     add_mask_token, compare_greedy, random_prompts, tiny_qwen3,
 )
 

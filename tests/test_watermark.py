@@ -12,7 +12,7 @@ from selfspec.decoding import watermark
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.decoding.step import DecodeSequence, StepLayout, StepOutcome, collate
 from selfspec.engines.hf import HFEngine
-from selfspec.engines.testing import add_mask_token, tiny_qwen3
+from model_helpers import add_mask_token, tiny_qwen3
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

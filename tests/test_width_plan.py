@@ -12,7 +12,7 @@ import pytest
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.decoding.width_plan import WidthPlan
 from selfspec.engines.hf import HFEngine
-from selfspec.engines.testing import (
+from model_helpers import (
     add_mask_token, chi_square_pvalue, compare_greedy, exact_distribution, random_prompts, tiny_qwen3,
 )
 

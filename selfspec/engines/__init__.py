@@ -6,5 +6,4 @@
 - `kv_cache`: per-sequence slot KV cache and step attention masks
 - `kernel_choice`: which verify implementation (kernel or reference) an engine runs, chosen once
 - `lora`: gated LoRA adapters attached to transformers models (RISD)
-- `testing`: tiny random models and the greedy comparison the tests use
 """
