@@ -54,6 +54,25 @@ def stride_allowed(stride: int, context_tokens: int) -> bool:
     return stride >= 2 or (stride == 1 and context_tokens > 0)
 
 
+#: the strides a served ISD / RISD step may take (2N-1 query tokens per request)
+SERVED_STRIDES = (2, 16)
+
+
+def serving_check(options: dict, sources: dict) -> str | None:
+    """What is wrong with these resolved options for a served ISD / RISD step (the problem and
+    its fix), or None."""
+    stride = options.get("stride")
+    lo, hi = SERVED_STRIDES
+    if not isinstance(stride, int) or stride > hi or not stride_allowed(stride, options.get("context_tokens") or 0):
+        return (f"stride N={stride!r} ({sources.get('stride', 'default')}) is out of range: it needs an integer "
+                f"{lo} <= N <= {hi} (2N-1 query tokens per step), or N = 1 with context_tokens > 0 (lookup "
+                f"steps); pass e.g. --selfspec-stride 4")
+    if options.get("fixed_width") is False:
+        return ("under SGLang it chooses the layout width itself (padded to 2N-1; unpadded only on CPU with "
+                "SELFSPEC_RAGGED_VERIFY=1); remove fixed_width=false")
+    return None
+
+
 @dataclass
 class ISDConfig:
     stride: int = 4  # N: at most N tokens per step; 2N-1 query tokens (1: lookup steps, see module doc)

@@ -19,6 +19,7 @@ from typing import Any
 from selfspec.decoding.ar import ARMode
 from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.isd import ISDConfig, ISDMode
+from selfspec.decoding.isd import serving_check as isd_serving_check
 from selfspec.decoding.jacobi import JacobiConfig, JacobiMode
 from selfspec.decoding.ngram import NgramConfig, NgramMode
 from selfspec.decoding.sjd import SJDConfig, SJDMode
@@ -57,6 +58,9 @@ class ModeSpec:
     #: the mode's own step in the built-in policy's small-batch buckets (`policy.py`), beside
     #: the context candidate the policy adds; options the user sets win over these
     policy_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the served mode's start-up check of its resolved options (options, their sources) -> the
+    #: problem and its fix, or None; the plugin stops the server with it
+    serving_check: Callable[[dict, dict], str | None] | None = None
 
     @property
     def greedy_only(self) -> bool:
@@ -93,11 +97,12 @@ _SPECS = (
              NgramConfig, NgramMode, lambda cfg, res: NgramMode(cfg, res.corpus), sglang_algorithm=None, builtin_sglang_algorithm="NGRAM"),
     ModeSpec("isd", "introspective strided decoding: verify last step's [MASK] proposals, propose N new ones",
              ISDConfig, ISDMode, lambda cfg, res: ISDMode(cfg, res.mask_token_id, gated=False, corpus=res.corpus), sglang_algorithm="ISD",
-             needs_mask_token=True, checkpoint_kind="idlm", metadata_fields=_ISD_FIELDS, policy_options=_ISD_POLICY),
+             needs_mask_token=True, checkpoint_kind="idlm", metadata_fields=_ISD_FIELDS, policy_options=_ISD_POLICY,
+             serving_check=isd_serving_check),
     ModeSpec("risd", "ISD with a LoRA adapter gated on at [MASK] positions only: the base model's exact output",
              ISDConfig, ISDMode, lambda cfg, res: ISDMode(cfg, res.mask_token_id, gated=True, corpus=res.corpus), sglang_algorithm="RISD",
              needs_mask_token=True, needs_adapter=True, checkpoint_kind="adapter", metadata_fields=_ISD_FIELDS,
-             policy_options=_ISD_POLICY),
+             policy_options=_ISD_POLICY, serving_check=isd_serving_check),
     ModeSpec("jacobi", "greedy Jacobi decoding of n-token blocks with rejection-recycling candidates (lossless)",
              JacobiConfig, JacobiMode, lambda cfg, res: JacobiMode(cfg, res.vocab_size, res.corpus), sglang_algorithm="JACOBI",
              needs_vocab_size=True, metadata_fields=("block_size", "max_blocks", "spawn_ratio", "verify_size"),

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.decoding import registry
-from selfspec.decoding.isd import stride_allowed
 from selfspec.errors import UserError
 from selfspec.decoding.metadata import (
     MetadataError, SelfspecMetadata, load_metadata, model_fingerprint, weights_sha256,
@@ -35,7 +34,6 @@ FLAGS_ENV = "SELFSPEC_SERVER_FLAGS"
 #: JSON of the resolved configuration, set after validation for the scheduler processes.
 RESOLVED_ENV = "SELFSPEC_RESOLVED_CONFIG"
 
-STRIDE_RANGE = (2, 16)
 MAX_WIDTH = 256  # query tokens per request and step; a larger tree is a configuration mistake
 
 
@@ -273,18 +271,12 @@ def _load_metadata(directory: str | Path) -> SelfspecMetadata | None:
 
 def _check_mode_specific(cfg: ResolvedConfig, server_args: Any, flags: dict, meta: SelfspecMetadata | None) -> None:
     algo = cfg.algorithm
+    if cfg.spec.serving_check is not None:
+        problem = cfg.spec.serving_check(cfg.options, cfg.sources)
+        if problem:
+            raise _err(f"{algo}: {problem}")
     if not cfg.spec.needs_mask_token:
         return
-    stride = cfg.options.get("stride")
-    lo, hi = STRIDE_RANGE
-    context_tokens = cfg.options.get("context_tokens") or 0
-    if not isinstance(stride, int) or stride > hi or not stride_allowed(stride, context_tokens):
-        raise _err(f"stride N={stride!r} ({cfg.sources.get('stride', 'default')}) is out of range: {algo} "
-                   f"needs an integer {lo} <= N <= {hi} (2N-1 query tokens per step), or N = 1 with "
-                   f"context_tokens > 0 (lookup steps); pass e.g. --selfspec-stride 4")
-    if cfg.options.get("fixed_width") is False:
-        raise _err(f"{algo} under SGLang chooses the layout width itself (padded to 2N-1; unpadded only on CPU "
-                   "with SELFSPEC_RAGGED_VERIFY=1); remove fixed_width=false")
     # mask token: flag, options, metadata, tokenizer
     mask_id = flags.get("mask_token_id")
     if mask_id is None:
