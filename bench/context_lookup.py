@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from selfspec.benchmarks.repetition import is_repetition_loop
+from selfspec.decoding.repetition import is_repetition_loop
 from selfspec.benchmarks.serve import level_sizes
 from selfspec.decoding.corpus import SharedCorpus
 from selfspec.decoding.draft_length import RecentAcceptance
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in args.tokens.split(",")]
     except ValueError:
         p.error("--concurrency and --tokens take comma-separated integers, e.g. 1,4,16")
-    from selfspec.benchmarks.prompt_sets import SET_NAMES
+    from selfspec.prompt_sets import SET_NAMES
 
     if args.prompts not in SET_NAMES and not Path(args.prompts).is_file():
         p.error(f"--prompts {args.prompts}: no such file (or a set: {', '.join(SET_NAMES)})")
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from selfspec.benchmarks.offline import load_prompts
+    from selfspec.prompt_sets import load_prompts
     from selfspec.decoding.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
 

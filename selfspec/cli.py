@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     from selfspec.tuning import command as tune
 
     _add_command(sub, "tune", "measure this machine's cost model and write a per-batch-size width plan", tune)
-    from selfspec.tuning import gamma
+    from selfspec.training import gamma
 
     _add_command(sub, "calibrate-gamma", "measure where Hybrid image rollouts switch from Full to Compact (γ)", gamma)
     return parser

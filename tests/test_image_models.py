@@ -49,7 +49,7 @@ def test_committed_codebook_round_trip():
 
 def test_image_gpt_trains_exports_and_generates(tmp_path, capsys):
     from selfspec.cli import main
-    from selfspec.images import load_image_model
+    from selfspec.training.image_model import load_image_model
     from selfspec.training.image_gpt import RECIPES, ImageTokenLayout, train_image_gpt
 
     cfg = replace(RECIPES["tiny-c2i-student"], out=str(tmp_path / "m"), checkpoint_dir=str(tmp_path / "ck"), steps=3,
@@ -72,7 +72,7 @@ def test_image_gpt_trains_exports_and_generates(tmp_path, capsys):
 
 
 def test_gamma_rule():
-    from selfspec.tuning.gamma import choose_gamma
+    from selfspec.training.gamma import choose_gamma
 
     # forward cost linear in the rows, compaction cheap: compact as soon as an image finishes
     linear = {b: {"forward_s": 0.01 * b, "compact_s": 0.001} for b in range(1, 9)}
@@ -88,7 +88,7 @@ def test_gamma_rule():
 # ------------------------------------------------------------------------------ the committed models
 @pytest.fixture(scope="module")
 def student():
-    from selfspec.images import load_image_model
+    from selfspec.training.image_model import load_image_model
 
     return load_image_model("tiny-c2i-student")
 
@@ -112,7 +112,7 @@ def test_committed_models_and_provenance():
 @pytest.mark.parametrize("schedule", ["independent", "lockstep", "window"])
 def test_committed_student_greedy_hbsjd_equals_cached_ar(student, schedule):
     from selfspec.engines.rollout import RolloutConfig
-    from selfspec.images import prefix_codes
+    from selfspec.training.image_model import prefix_codes
 
     engine = student.engine()
     labels = torch.arange(6) % 10
@@ -129,7 +129,7 @@ def test_hf_engine_runs_the_image_model(student):
     engine's guidance-free AR codes."""
     from selfspec.engines.hf import HFEngine
     from selfspec.engines.rollout import RolloutConfig
-    from selfspec.images import prefix_codes
+    from selfspec.training.image_model import prefix_codes
 
     labels = torch.tensor([1, 7])
     prefix = prefix_codes(student, labels, 0.75)

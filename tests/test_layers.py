@@ -1,5 +1,6 @@
 """The architecture's layering (docs: ARCHITECTURE.md "Layers"), checked on the source: which
-package may import which, and no import cycles among modules of one package."""
+package may import which, no import cycles among the modules of one package, and none between
+packages (the top-level modules count as packages of their own)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,37 @@ def test_no_import_cycles_within_a_package(package):
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycles_between_packages():
+    units = {p.name if p.is_dir() else p.stem: p for p in PKG.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}
+    graph: dict[str, set[str]] = {}
+    for unit, path in units.items():
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        graph[unit] = {name.split(".")[1] for f in files for name in imports_of(f)
+                       if name.count(".") >= 1 and name.split(".")[1] in units and name.split(".")[1] != unit}
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle)

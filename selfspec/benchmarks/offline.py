@@ -68,41 +68,11 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.benchmarks.modes import parse_modes
-from selfspec.benchmarks.prompt_sets import SET_NAMES, load_prompt_set
-from selfspec.benchmarks.repetition import OutputStat, is_repetition_loop, non_loop_summary, set_ratio_vs_ar
+from selfspec.prompt_sets import load_prompts
+from selfspec.decoding.repetition import OutputStat, is_repetition_loop, non_loop_summary, set_ratio_vs_ar
 
 SCHEMA = "selfspec.bench.offline/v1"
 DEFAULT_MODES = "ar,ngram,jacobi,sjd,isd,risd"
-
-
-def load_prompts(
-    path: str | Path, tokenizer=None, limit: int | None = None
-) -> tuple[list[str | None], list[list[int]]]:
-    """A named prompt set (`prompt_sets.SET_NAMES`) or a JSON-lines file of {"prompt": text} or
-    {"prompt_ids": [...]} rows: the texts (None for id rows) and the token ids, up to `limit`."""
-    if str(path) in SET_NAMES:
-        rows = [{"prompt": t} for t in load_prompt_set(str(path))]
-    else:
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    texts, ids = [], []
-    for lineno, row in enumerate(rows, 1):
-        if "prompt_ids" in row:
-            texts.append(row.get("prompt"))
-            ids.append([int(t) for t in row["prompt_ids"]])
-        elif "prompt" in row:
-            if tokenizer is None:
-                raise ValueError(f"{path}:{lineno}: text prompts need a model with a tokenizer")
-            texts.append(row["prompt"])
-            ids.append(list(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]))
-        else:
-            raise ValueError(f"{path}:{lineno}: expected a 'prompt' or 'prompt_ids' key")
-        if not ids[-1]:
-            raise ValueError(f"{path}:{lineno}: empty prompt")
-        if limit is not None and len(ids) >= limit:
-            break
-    if not ids:
-        raise ValueError(f"{path}: no prompts")
-    return texts, ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

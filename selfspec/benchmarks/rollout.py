@@ -62,8 +62,8 @@ def timed_rollout(engine, labels, prefix, cfg, repeats: int, seed: int = 0) -> t
 def run_bench(model: str, batches: list[int], window: int, history_offset: int | None, prefix_ratio: float,
               cfg_scale: float, repeats: int, sweeps: list[str], out: Path, verify: list[str]) -> dict:
     from selfspec.engines.rollout import RolloutConfig
-    from selfspec.images import load_image_model, prefix_codes
-    from selfspec.tuning.gamma import calibrated_gamma
+    from selfspec.training.image_model import load_image_model, prefix_codes
+    from selfspec.training.gamma import calibrated_gamma
 
     im = load_image_model(model)
     engine = im.engine()

@@ -77,9 +77,9 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.benchmarks.modes import ModeRun, breakdown, parse_modes
-from selfspec.benchmarks.prompt_sets import describe as describe_prompts, load_prompt_set
+from selfspec.prompt_sets import describe as describe_prompts, load_prompt_set
 
-from selfspec.benchmarks.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
+from selfspec.decoding.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
 
 SCHEMA = "selfspec.bench.serve/v1"
 DEFAULT_MODES = "ar,ngram,isd,risd,jacobi,sjd"

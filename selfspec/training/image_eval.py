@@ -211,7 +211,7 @@ def sample_images(im, num: int, cfg_scale: float, temperature: float, batch: int
 
 def run(args: argparse.Namespace) -> int:
     from selfspec.errors import UsageError
-    from selfspec.images import load_image_model, save_grid
+    from selfspec.training.image_model import load_image_model, save_grid
     from selfspec.training.image_data import load_digits
 
     if args.num < 20 or args.temperature <= 0:

@@ -48,7 +48,7 @@ PLAIN = {"max_blocks": 1, "verify_size": 0, "init": "context"}
 
 
 def _jacobi_row(engine, prompts, max_new_tokens: int, options: dict, reference: list[list[int]]) -> dict:
-    from selfspec.benchmarks.repetition import OutputStat, non_loop_summary
+    from selfspec.decoding.repetition import OutputStat, non_loop_summary
     from selfspec.decoding.metrics import aggregate
 
     outs = engine.generate(prompts, max_new_tokens=max_new_tokens, mode="jacobi", mode_config=options, batch_size=16)
@@ -61,7 +61,7 @@ def _jacobi_row(engine, prompts, max_new_tokens: int, options: dict, reference: 
 
 def measure(name_or_path: str, base: str = "tiny-base", prompts_file: Path = HELDOUT_PROMPTS,
             max_new_tokens: int = 128, num_prompts: int = 64) -> dict:
-    from selfspec.benchmarks.repetition import is_repetition_loop
+    from selfspec.decoding.repetition import is_repetition_loop
     from selfspec.engines.hf import HFEngine
     from selfspec.training.evaluate import heldout_ar_perplexity, load_prompts
 

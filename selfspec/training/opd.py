@@ -125,7 +125,7 @@ class OPDObjective(Objective):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
 
     def setup_training(self, model: torch.nn.Module, log) -> None:
-        from selfspec.images import load_image_model
+        from selfspec.training.image_model import load_image_model
         from selfspec.training.image_data import digit_split
 
         cfg = self.cfg
@@ -146,7 +146,7 @@ class OPDObjective(Objective):
         self.data_description = {**split.describe(), "teacher": cfg.teacher, "student": cfg.student}
 
     def _rollout_config(self, model, log):
-        from selfspec.tuning.gamma import calibrated_gamma
+        from selfspec.training.gamma import calibrated_gamma
 
         cfg, gamma = self.cfg, self.cfg.gamma
         if cfg.rollout == "hbsjd" and gamma is None:
@@ -229,7 +229,7 @@ class OPDObjective(Objective):
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, seed: int = 12345) -> dict:
-        from selfspec.images import ImageModel
+        from selfspec.training.image_model import ImageModel
         from selfspec.training.image_eval import image_metrics, sample_images
         from selfspec.training.image_gpt import sequence_loss
 

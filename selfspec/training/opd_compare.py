@@ -41,7 +41,7 @@ def _checkpoint_model(checkpoint: Path, like: torch.nn.Module) -> torch.nn.Modul
 def stage_speedups(run_dir: Path, base, gamma: int, repeats: int = 3) -> list[dict]:
     """HB-SJD vs cached AR rollout CPU time on each saved checkpoint of a run (`base`: its OPDConfig)."""
     from selfspec.engines.rollout import ImageRolloutEngine
-    from selfspec.images import load_image_model, prefix_codes
+    from selfspec.training.image_model import load_image_model, prefix_codes
     from selfspec.training.opd import rollout_config
 
     im = load_image_model(base.student)

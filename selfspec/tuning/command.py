@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from selfspec.benchmarks.offline import load_prompts
+    from selfspec.prompt_sets import load_prompts
     from selfspec.decoding import registry
     from selfspec.decoding.metadata import model_fingerprint
     from selfspec.decoding.sampling import SamplingParams

@@ -113,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from selfspec.errors import UsageError
-    from selfspec.images import load_image_model
+    from selfspec.training.image_model import load_image_model
 
     if args.batch < 2 or args.window < 0:
         raise UsageError("--batch must be >= 2 and --window >= 0")
