@@ -143,15 +143,15 @@ def _micro_config(micro_dir, data_file, out, **kw):
 @pytest.fixture
 def buckets_used(monkeypatch):
     """(batch size, bucket mode object) of every step a width plan's mode runs."""
-    import selfspec.decoding.width_plan as width_plan
+    import selfspec.decoding.planned_mode as planned_mode
 
     seen: list = []
-    original = width_plan.PlannedMode.layouts
+    original = planned_mode.PlannedMode.layouts
 
     def spy(self, seqs):
         out = original(self, seqs)
         seen.append((len(seqs), self.current))
         return out
 
-    monkeypatch.setattr(width_plan.PlannedMode, "layouts", spy)
+    monkeypatch.setattr(planned_mode.PlannedMode, "layouts", spy)
     return seen

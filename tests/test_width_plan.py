@@ -121,7 +121,8 @@ def _run_check(check, key, rate, steps):
 
 
 def test_online_check_runs_the_faster_arm_and_follows_a_change():
-    from selfspec.decoding.width_plan import OnlineCheck, OnlineCheckConfig
+    from selfspec.decoding.online_check import OnlineCheck
+    from selfspec.decoding.width_plan import OnlineCheckConfig
 
     check = OnlineCheck(OnlineCheckConfig(probe_every=20, probe_steps=3, decay=0.5))
     key = (True, 4)
@@ -198,7 +199,8 @@ def test_online_check_keeps_a_faster_plan_whose_rate_swings(decay, keeps_plan):
     a large share of the steps on AR, as a served greedy batch-1 ISD server did."""
     import random
 
-    from selfspec.decoding.width_plan import OnlineCheck, OnlineCheckConfig
+    from selfspec.decoding.online_check import OnlineCheck
+    from selfspec.decoding.width_plan import OnlineCheckConfig
 
     rng = random.Random(0)
     check = OnlineCheck(OnlineCheckConfig() if decay is None else OnlineCheckConfig(decay=decay))
@@ -215,7 +217,8 @@ def test_online_check_keeps_a_faster_plan_whose_rate_swings(decay, keeps_plan):
 
 
 def test_online_check_probes_less_the_further_the_running_arm_leads():
-    from selfspec.decoding.width_plan import OnlineCheck, OnlineCheckConfig
+    from selfspec.decoding.online_check import OnlineCheck
+    from selfspec.decoding.width_plan import OnlineCheckConfig
 
     def probe_share(plan_rate: float) -> float:
         check = OnlineCheck(OnlineCheckConfig())

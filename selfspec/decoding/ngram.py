@@ -13,7 +13,7 @@ The same step is the narrowest speculative width of every mode: a width plan buc
 `{mode: ngram, ...}` runs it in an ISD, RISD, SJD or JACOBI plan where a batch is too wide for
 the mode's own proposals to pay (ISD's `stride: 1` is this step too). Its `NgramConfig` answers
 to the `context_*` names the other modes' configs use, so whatever reads a mode's context
-candidate (`width_plan.CandidateWatch`) reads this one alike.
+candidate (`candidate_watch.CandidateWatch`) reads this one alike.
 """
 
 from __future__ import annotations

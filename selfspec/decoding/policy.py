@@ -18,7 +18,7 @@ the wider the batch the sooner it turns linear. So, per step, from the batch it 
   kind at every batch size keeps a seeded sampled request's output the same alone and in any
   batch.
 
-The run-time check (`width_plan.OnlineCheck`) then measures, per batch-size class of greedy
+The run-time check (`online_check.OnlineCheck`) then measures, per batch-size class of greedy
 batches, the plan's arm against plain AR steps and, at small batches, against the lookup step of
 the same candidate (whether the mode's own proposals pay for their query tokens depends on the
 model), and serves the fastest: a policy that does not pay on some machine or model falls back

@@ -243,10 +243,11 @@ def build(mode: str, config: Any, resources: ModeResources = ModeResources()) ->
 
 def build_planned(mode: str, base_options: dict[str, Any], plan: Any,
                   resources: ModeResources = ModeResources()) -> Mode:
-    """The `width_plan.PlannedMode` of `plan` (a WidthPlan or its dict form) for `mode`: each
+    """The `planned_mode.PlannedMode` of `plan` (a WidthPlan or its dict form) for `mode`: each
     bucket's mode built from `base_options` overridden by the bucket's options (a lookup bucket,
     `mode: ngram`, from its own options alone: the base options are the plan mode's)."""
-    from selfspec.decoding.width_plan import PLAN_STEP_MODES, PlannedMode, WidthPlan
+    from selfspec.decoding.planned_mode import PlannedMode
+    from selfspec.decoding.width_plan import PLAN_STEP_MODES, WidthPlan
 
     spec = get(mode)
     if resources.corpus is None:  # one corpus for all the buckets

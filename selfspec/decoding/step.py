@@ -43,7 +43,7 @@ class DecodeSequence:
     constraint: Any = None  # a `logits_rules.TokenConstraint` (grammar), or None
     watermark: Any = None  # a `watermark.SequenceWatermark`, or None
     corpus_doc: int | None = None  # its document in the mode's `corpus.SharedCorpus`, once it has one
-    watch: Any = None  # a planned mode's `width_plan.CandidateWatch` while AR steps serve it
+    watch: Any = None  # a planned mode's `candidate_watch.CandidateWatch` while AR steps serve it
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:

@@ -418,7 +418,7 @@ class SelfSpecWorker(BaseSpecWorker):
     # ------------------------------------------------------------------ helpers
     def _report_period(self, now: float) -> None:
         """The last decode step's wall-clock period, scheduler time included, to a planned
-        mode's online check (`width_plan.OnlineCheck`); a gap of a second or more is idle time."""
+        mode's online check (`online_check.OnlineCheck`); a gap of a second or more is idle time."""
         observe = getattr(self.mode, "observe", None)
         if observe is not None and self._last_step is not None and now - self._last_step[0] < 1.0:
             observe(self._last_step[1], now - self._last_step[0])

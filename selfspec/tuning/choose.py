@@ -5,7 +5,7 @@ the query tokens a request's step carries: the real ones where the forward is ra
 commits b · tokens_per_step_c tokens, so its throughput is b · tokens_per_step_c / T. Every batch
 size from 1 to `max_batch` gets its best candidate; runs of equal choices become one bucket,
 the last one open. What the forward grid leaves out (the server's own cost per step) is left to
-the served plan's run-time check (`width_plan.OnlineCheck`), which measures each bucket against
+the served plan's run-time check (`online_check.OnlineCheck`), which measures each bucket against
 plain AR steps and serves the faster. The choice for greedy batches uses greedy acceptance; for
 batches with sampled rows, the sampled acceptance (a greedy-only mode never serves them).
 """
