@@ -17,7 +17,7 @@ from pathlib import Path
 
 from selfspec.errors import UsageError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PROMPTS_DIR = REPO / "bench" / "prompts"
 #: the named sets; a name that is not one of these is read as a path
 SET_NAMES = ("tune", "eval", "humaneval")

@@ -8,18 +8,18 @@ import json
 
 import pytest
 
-from selfspec.benchmarks import serve
+from selfspec.benchmarks import load, serve, serve_report
 
 
 def test_level_prompts_rotate_through_the_file():
     texts = [str(i) for i in range(10)]
     sizes = [4, 4, 4]
-    assert serve.level_prompts(texts, sizes, 0) == ["0", "1", "2", "3"]
-    assert serve.level_prompts(texts, sizes, 1) == ["4", "5", "6", "7"]
-    assert serve.level_prompts(texts, sizes, 2) == ["8", "9", "0", "1"]
+    assert load.level_prompts(texts, sizes, 0) == ["0", "1", "2", "3"]
+    assert load.level_prompts(texts, sizes, 1) == ["4", "5", "6", "7"]
+    assert load.level_prompts(texts, sizes, 2) == ["8", "9", "0", "1"]
     # a level holds at least C requests: "C=8" with 4 prompts a level would batch only 4
-    assert serve.level_sizes([1, 4, 8], 4) == [4, 4, 8]
-    assert serve.level_prompts(texts, [4, 4, 8], 2) == ["8", "9", "0", "1", "2", "3", "4", "5"]
+    assert load.level_sizes([1, 4, 8], 4) == [4, 4, 8]
+    assert load.level_prompts(texts, [4, 4, 8], 2) == ["8", "9", "0", "1", "2", "3", "4", "5"]
 
 
 def test_unknown_mode_is_refused():
@@ -41,12 +41,12 @@ LOOP, NO_LOOP = [1, 2, 3] + [7] * 20, list(range(40))
 
 def test_levels_split_looping_and_non_looping_requests():
     results = [_request(LOOP, 1.0, 3), _request(NO_LOOP, 2.0, 19), _request(NO_LOOP[:10], 0.5)]  # last: prefill only
-    split = serve.loop_split(results, has_verify=True)
+    split = load.loop_split(results, has_verify=True)
     assert split["repetition_loops"] == 1 and split["per_request_tok_s"] == pytest.approx(73 / 3.5)
     assert split["non_loop"] == {"outputs": 2, "tokens": 50, "forwards": 21, "tpf": 50 / 21, "wall_s": 2.5,
                                  "tokens_per_s": 20.0, "ratio_vs_ar": None}
-    assert serve.loop_split(results, has_verify=False)["non_loop"]["tpf"] is None  # forwards unknown
-    no_ids = serve.loop_split([dict(results[0], token_ids=None)], has_verify=True)
+    assert load.loop_split(results, has_verify=False)["non_loop"]["tpf"] is None  # forwards unknown
+    no_ids = load.loop_split([dict(results[0], token_ids=None)], has_verify=True)
     assert no_ids["repetition_loops"] is None and no_ids["non_loop"] is None
 
 
@@ -65,30 +65,30 @@ def _report(temperature, device="cpu"):
 
 
 def test_report_ratios_and_the_ngram_note():
-    assert serve.ngram_verifies_greedily("cpu")
+    assert serve_report.ngram_verifies_greedily("cpu")
     report = _report(0.7)
-    serve.finish_report(report)
+    serve_report.finish_report(report)
     ar, ngram = report["results"][0]["levels"][0], report["results"][1]["levels"][0]
     assert ar["ratio_vs_ar"] == 1.0 and ar["non_loop"]["ratio_vs_ar"] == 1.0
     assert ngram["ratio_vs_ar"] == 3.0 and ngram["non_loop"]["ratio_vs_ar"] == pytest.approx(1.5)
-    assert report["results"][1]["notes"] == [serve.NGRAM_GREEDY_NOTE] and report["results"][0]["notes"] == []
-    table = serve.format_table(report)
+    assert report["results"][1]["notes"] == [serve_report.NGRAM_GREEDY_NOTE] and report["results"][0]["notes"] == []
+    table = serve_report.format_table(report)
     ngram_row = next(line for line in table.splitlines() if line.startswith("ngram"))
     assert ngram_row.endswith("[NGRAM verifies greedily on this build]") and "1/2" in ngram_row
     assert "note (ngram): NGRAM verifies greedily" in table and "risd" in table and "NL xAR" in table
     greedy = _report(0.0)
-    serve.finish_report(greedy)
+    serve_report.finish_report(greedy)
     assert all(r["notes"] == [] for r in greedy["results"])
     wrapped = dict(_report(0.0), concurrency=[1, 4], num_prompts=32, prompts_available=48)  # level 2 wraps
-    serve.finish_report(wrapped)
-    assert wrapped["results"][1]["notes"] == [serve.REPEAT_NOTE] and wrapped["results"][0]["notes"] == []
+    serve_report.finish_report(wrapped)
+    assert wrapped["results"][1]["notes"] == [serve_report.REPEAT_NOTE] and wrapped["results"][0]["notes"] == []
     assert wrapped["prompts_reused"]
     fits = dict(_report(0.0), concurrency=[1, 4], num_prompts=32, prompts_available=64)
-    serve.finish_report(fits)
+    serve_report.finish_report(fits)
     assert fits["results"][1]["notes"] == []
     filled = dict(_report(0.0), concurrency=[1, 64], num_prompts=32, prompts_available=64)  # 32 + 64 requests
-    serve.finish_report(filled)
-    assert filled["results"][1]["notes"] == [serve.REPEAT_NOTE]
+    serve_report.finish_report(filled)
+    assert filled["results"][1]["notes"] == [serve_report.REPEAT_NOTE]
 
 
 @pytest.mark.server
@@ -133,7 +133,7 @@ def test_the_prompt_sets_are_disjoint_and_fill_the_readme_levels():
     sets = {name: load_prompt_set(name) for name in SET_NAMES}
     for name, texts in sets.items():
         assert len(set(texts)) == len(texts), name
-        assert sum(serve.level_sizes([1, 4, 16, 32], 32)) <= len(texts), name
+        assert sum(load.level_sizes([1, 4, 16, 32], 32)) <= len(texts), name
     assert not set(sets["tune"]) & set(sets["eval"])
     assert sets["tune"] == split_prompts("tune", SPLIT_COUNT)  # the committed files are the rule's output
     assert len(sets["humaneval"]) == 164 and sets["humaneval"][0].startswith("from typing import List")
@@ -190,10 +190,10 @@ def test_interleaved_levels_run_the_same_chunks_through_every_server_in_turn(mon
     """--interleave: every server is up at once; a level's prompts run in rounds of at least C
     requests, each round through every server, forward then backward, and a level's numbers sum
     its rounds. A failed start leaves its row in error and the others running; all are stopped."""
-    assert serve.interleave_chunks(list("abcdefgh"), 4, 2) == [["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"]]
-    assert serve.interleave_chunks(list("abcdefgh"), 4, 3) == [["a", "b", "c", "d"], ["e", "f", "g", "h"]]
-    assert serve.interleave_chunks(list("abcd"), 3, 8) == [["a", "b", "c", "d"]]  # never under C a chunk
-    assert serve.round_order([1, 2, 3], 0) == [1, 2, 3] and serve.round_order([1, 2, 3], 1) == [3, 2, 1]
+    assert load.interleave_chunks(list("abcdefgh"), 4, 2) == [["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"]]
+    assert load.interleave_chunks(list("abcdefgh"), 4, 3) == [["a", "b", "c", "d"], ["e", "f", "g", "h"]]
+    assert load.interleave_chunks(list("abcd"), 3, 8) == [["a", "b", "c", "d"]]  # never under C a chunk
+    assert load.round_order([1, 2, 3], 0) == [1, 2, 3] and load.round_order([1, 2, 3], 1) == [3, 2, 1]
 
     calls, stopped = [], []
 
@@ -213,7 +213,7 @@ def test_interleaved_levels_run_the_same_chunks_through_every_server_in_turn(mon
         if prompts != ["def warmup():\n"] * 2:
             calls.append((base_url.removeprefix("http://"), concurrency, tuple(prompts)))
         results = [_request(list(range(10)), 0.5, 4) for _ in prompts]
-        return serve.Chunk(results, [], 0.25 * len(prompts))
+        return load.Chunk(results, [], 0.25 * len(prompts))
 
     monkeypatch.setattr(serve, "run_requests", fake_requests)
     monkeypatch.setattr(serve, "server_stats", lambda base_url: {})
@@ -256,10 +256,10 @@ def test_breakdown_rows_isolate_each_part_of_a_modes_default():
     assert skip is None and flags == ["--speculative-algorithm", "ISD", "--selfspec-policy", "own"]
     before = {"selfspec": {"steps_by_kind": {"own": {"tokens": 10}}}}
     after = {"selfspec": {"steps_by_kind": {"own": {"tokens": 40}, "lookup": {"tokens": 60}}}}
-    assert serve.kinds_delta(before, after) == {"own": 30, "lookup": 60}
-    assert serve.step_kind_shares([{"own": 30, "lookup": 60}, None, {"ar": 10}]) == {"ar": 0.1, "lookup": 0.6,
+    assert load.kinds_delta(before, after) == {"own": 30, "lookup": 60}
+    assert serve_report.step_kind_shares([{"own": 30, "lookup": 60}, None, {"ar": 10}]) == {"ar": 0.1, "lookup": 0.6,
                                                                                     "own": 0.3}
-    assert serve.step_kind_shares([None]) is None and serve.kinds_delta({}, {"selfspec": None}) is None
+    assert serve_report.step_kind_shares([None]) is None and load.kinds_delta({}, {"selfspec": None}) is None
 
 
 class _Spec:

@@ -1,4 +1,6 @@
-"""Served benchmark: each mode behind a real SGLang server, driven like users drive it.
+"""Served benchmark: each mode behind a real SGLang server, driven like users drive it. This
+module runs the servers and the levels; `load.py` sends the requests, `serve_report.py` makes
+the report, `genai.py` drives genai-bench.
 
     selfspec bench serve --modes ar,ngram,isd,risd,jacobi,sjd --model M --concurrency 1,4,16 \\
         --prompts FILE.jsonl [--max-tokens 64] [--json OUT] [--plot OUT.png]
@@ -61,56 +63,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from selfspec.benchmarks.genai import genai_bench_available, run_genai_bench
+from selfspec.benchmarks.load import (Chunk, interleave_chunks, kinds_delta, level_prompts, level_sizes, round_order,
+                                      run_requests, server_stats, stats_delta, summarize_level)
 from selfspec.benchmarks.modes import ModeRun, breakdown, parse_modes
+from selfspec.benchmarks.serve_report import finish_report, format_table, plot, step_kind_shares
 from selfspec.prompt_sets import describe as describe_prompts, load_prompt_set
 
-from selfspec.decoding.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
 
 SCHEMA = "selfspec.bench.serve/v1"
 DEFAULT_MODES = "ar,ngram,isd,risd,jacobi,sjd"
-NGRAM_GREEDY_NOTE = ("NGRAM verifies greedily on this build: its sampled rows are argmax outputs (every token "
-                     "after the first is the target's argmax, whatever the temperature)")
-
-
-REPEAT_NOTE = ("this server saw these prompts at an earlier level: the levels' windows wrap around the prompt "
-               "set, and its n-gram corpus keeps every earlier output, so it drafts what it already wrote (keep "
-               "the levels' requests, each max(--num-prompts, C), within the set's prompts)")
-
-
-def ngram_verifies_greedily(device: str) -> bool:
-    """Whether SGLang's builtin NGRAM commits argmax tokens even at temperature > 0 on `device`.
-
-    SGLang 0.5.23: the NGRAM worker verifies with `eagle_sample` (speculative/ngram_worker.py:27,
-    :479), which takes the greedy tree walk on argmax targets when `_verify_uses_greedy(...)` holds
-    (speculative/eagle_utils.py:641-660), and that is `is_all_greedy or is_cpu or is_xpu or (is_hip and
-    not use_rejection_sampling)` (eagle_utils.py:500): on the CPU engine (SGLANG_USE_CPU_ENGINE=1,
-    what `ServerProcess` starts without CUDA) every request is verified by argmax. On ROCm too
-    (NGRAM has no draft distribution for rejection sampling)."""
-    if device == "cpu":
-        return True
-    try:
-        import torch
-
-        return getattr(torch.version, "hip", None) is not None
-    except ImportError:
-        return False
-
-
 def mode_server_args(mode: str) -> list[str]:
     """The SGLang flags that serve `mode`: the plugin's algorithm, SGLang's builtin (NGRAM), or none (AR)."""
     from selfspec.decoding import registry
@@ -158,224 +128,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "speed comes from, each the same server with one --selfspec-policy: MODE:ar-steps (plain AR "
                         "steps on the selfspec worker, against stock AR), MODE:lookup (lookup steps only), MODE:own "
                         "(the mode's own steps only, no context candidate)")
-
-
-# ---------------------------------------------------------------------------------- one level
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    k = (len(v) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def _one_request(client, prompt: str, max_tokens: int, temperature: float, ignore_eos: bool) -> dict:
-    t0 = time.perf_counter()
-    first = None
-    tokens = None
-    details = None
-    token_ids: list[int] = []
-    extra = {"return_spec_tokens_details": True, "return_token_ids": True}
-    if ignore_eos:
-        extra["ignore_eos"] = True
-    stream = client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                       stream=True, stream_options={"include_usage": True}, extra_body=extra)
-    for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].text:
-            first = time.perf_counter()
-        if chunk.choices:
-            choice = chunk.choices[0]
-            ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
-            if ids:
-                token_ids.extend(int(t) for t in ids)
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-        d = getattr(chunk, "sglext", None) or (chunk.model_extra or {}).get("sglext")
-        if d:
-            details = d
-    end = time.perf_counter()
-    first = first or end
-    n = int(tokens or 0)
-    out = {"e2e": end - t0, "ttft": first - t0, "tokens": n, "token_ids": token_ids if token_ids or not n else None,
-           "tpot": (end - first) / (n - 1) if n > 1 else float("nan")}
-    spec = None
-    if isinstance(details, dict):
-        spec = details.get("spec_tokens_details") or details
-    if isinstance(spec, dict) and spec.get("spec_verify_ct"):
-        out["verify_ct"] = int(spec["spec_verify_ct"])
-    return out
-
-
-def server_stats(base_url: str) -> dict:
-    try:
-        with urllib.request.urlopen(base_url + "/server_info", timeout=30) as r:
-            st = (json.loads(r.read()).get("internal_states") or [{}])[0]
-    except Exception:
-        return {}
-    return {"selfspec": st.get("selfspec"), "avg_spec_accept_length": st.get("avg_spec_accept_length")}
-
-
-@dataclass
-class Chunk:
-    """One closed-loop pass of some prompts through a server: what each request returned."""
-    results: list[dict]
-    errors: list[str]
-    wall_s: float
-    stats: tuple[int, int] | None = None  # (committed tokens, forwards) the server counted meanwhile
-    kinds: dict[str, int] | None = None  # tokens committed meanwhile by each kind of step (own, lookup, ar)
-
-
-def run_requests(base_url: str, prompts: list[str], concurrency: int, max_tokens: int, temperature: float,
-                 ignore_eos: bool) -> Chunk:
-    import openai
-
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=3600)
-    results: list[dict] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-    queue = list(prompts)
-
-    def worker():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                p = queue.pop(0)
-            try:
-                r = _one_request(client, p, max_tokens, temperature, ignore_eos)
-                with lock:
-                    results.append(r)
-            except Exception as e:  # recorded, the level continues
-                with lock:
-                    errors.append(repr(e))
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as ex:
-        for _ in range(concurrency):
-            ex.submit(worker)
-    return Chunk(results, errors, time.perf_counter() - t0)
-
-
-def summarize_level(concurrency: int, chunks: list[Chunk]) -> dict:
-    """One level's numbers from the chunks it ran in (one, or one per round of `--interleave`):
-    tokens over the summed wall time, latency percentiles over every request."""
-    results = [r for ch in chunks for r in ch.results]
-    errors = [e for ch in chunks for e in ch.errors]
-    wall = sum(ch.wall_s for ch in chunks)
-    tokens = sum(r["tokens"] for r in results)
-    tpots = [r["tpot"] * 1e3 for r in results if r["tpot"] == r["tpot"]]
-    level = {
-        "concurrency": concurrency, "requests": len(results), "tokens": tokens, "wall_s": wall,
-        "output_tok_s": tokens / wall if wall > 0 else 0.0,
-        "tpot_ms_p50": _percentile(tpots, 0.5), "tpot_ms_p99": _percentile(tpots, 0.99),
-        "ttft_ms_p50": _percentile([r["ttft"] * 1e3 for r in results], 0.5),
-        "errors": len(errors), "first_error": errors[0] if errors else None,
-        # each chunk's own rate: how far the rounds of an interleaved level disagree
-        "round_tok_s": [sum(r["tokens"] for r in ch.results) / ch.wall_s if ch.wall_s > 0 else 0.0 for ch in chunks],
-    }
-    has_verify = any("verify_ct" in r for r in results)  # a request that ended at its prefill reports no details
-    if has_verify:
-        level["tpf"] = tokens / sum(r.get("verify_ct", 0) + 1 for r in results)
-    level.update(loop_split(results, has_verify))
-    return level
-
-
-def run_level(base_url: str, prompts: list[str], concurrency: int, max_tokens: int, temperature: float,
-              ignore_eos: bool) -> dict:
-    return summarize_level(concurrency, [run_requests(base_url, prompts, concurrency, max_tokens, temperature,
-                                                      ignore_eos)])
-
-
-def loop_split(results: list[dict], has_verify: bool) -> dict:
-    """The all / non-looping split of one level's requests (`_one_request` results): the level's
-    `per_request_tok_s`, `repetition_loops` and `non_loop` (None without every request's token ids)."""
-    latency = sum(r["e2e"] for r in results)
-    out: dict[str, Any] = {"per_request_tok_s": sum(r["tokens"] for r in results) / latency if latency > 0 else 0.0,
-                           "repetition_loops": None, "non_loop": None}
-    if any(r.get("token_ids") is None for r in results):
-        return out
-    stats = [OutputStat(r["token_ids"], r.get("verify_ct", 0) + 1 if has_verify else None, r["e2e"], r["tokens"])
-             for r in results]
-    out["repetition_loops"] = sum(o.loops for o in stats)
-    out["non_loop"] = non_loop_summary(stats)
-    return out
-
-
-def kinds_delta(before: dict, after: dict) -> dict[str, int] | None:
-    """Tokens a selfspec server committed between two `server_stats` by each kind of step: the
-    mode's own steps, lookup steps, plain AR steps (`metrics.AggregateStats.by_kind`)."""
-    a, b = (after.get("selfspec") or {}).get("steps_by_kind"), (before.get("selfspec") or {}).get("steps_by_kind")
-    if a is None:
-        return None
-    return {k: v["tokens"] - ((b or {}).get(k) or {}).get("tokens", 0) for k, v in a.items()}
-
-
-def stats_delta(before: dict, after: dict) -> tuple[int, int] | None:
-    """(committed tokens, forwards) a selfspec server counted between two `server_stats`."""
-    a, b = after.get("selfspec"), before.get("selfspec")
-    if a and b is not None:
-        return (a["committed_tokens"] - (b or {}).get("committed_tokens", 0),
-                a["forwards"] - (b or {}).get("forwards", 0))
-    return None
-
-
-# ---------------------------------------------------------------------------------- genai-bench
-def genai_bench_available() -> bool:
-    return shutil.which("genai-bench") is not None or (Path(sys.executable).parent / "genai-bench").exists()
-
-
-def run_genai_bench(base_url: str, tokenizer_dir: str, concurrency: list[int], input_tokens: int, max_tokens: int,
-                    num_requests: int, workdir: Path, timeout: float = 3600) -> dict[int, dict]:
-    """Run genai-bench once over all levels; returns {concurrency: headline metrics}."""
-    exe = shutil.which("genai-bench") or str(Path(sys.executable).parent / "genai-bench")
-    cmd = [exe, "benchmark", "--api-backend", "openai", "--api-base", base_url, "--api-key", "none",
-           "--api-model-name", "default", "--model-tokenizer", tokenizer_dir, "--task", "text-to-text",
-           "--traffic-scenario", f"D({max(1, input_tokens)},{max_tokens})", "--server-engine", "SGLang",
-           "--max-time-per-run", "5", "--max-requests-per-run", str(num_requests),
-           "--experiment-base-dir", str(workdir)]
-    for c in concurrency:
-        cmd += ["--num-concurrency", str(c)]
-    workdir.mkdir(parents=True, exist_ok=True)
-    with open(workdir / "genai-bench.log", "w") as log:
-        subprocess.run(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
-    out: dict[int, dict] = {}
-    for f in workdir.rglob("*.json"):
-        try:
-            data = json.loads(f.read_text())
-        except Exception:
-            continue
-        agg = data.get("aggregated_metrics") if isinstance(data, dict) else None
-        if not isinstance(agg, dict):
-            continue
-        c = agg.get("num_concurrency") or (data.get("num_concurrency") if isinstance(data, dict) else None)
-        if c is None:
-            continue
-        stats = agg.get("stats") or {}
-        tpot = (stats.get("tpot") or {}) if isinstance(stats, dict) else {}
-        out[int(c)] = {
-            "output_tok_s": agg.get("mean_output_throughput_tokens_per_s"),
-            "tpot_ms_p50": (tpot.get("p50") * 1e3) if isinstance(tpot.get("p50"), (int, float)) else None,
-            "tpot_ms_p99": (tpot.get("p99") * 1e3) if isinstance(tpot.get("p99"), (int, float)) else None,
-            "error_rate": agg.get("error_rate"),
-            "file": str(f),
-        }
-    return out
-
-
-# ---------------------------------------------------------------------------------- driver
-def level_sizes(levels: list[int], num_prompts: int) -> list[int]:
-    """Requests per concurrency level: `num_prompts`, or C where C is larger, so a level of
-    concurrency C really holds C requests in flight (16 requests at "C=32" would measure C=16)."""
-    return [max(num_prompts, c) for c in levels]
-
-
-def level_prompts(texts: list[str], sizes: list[int], level_index: int) -> list[str]:
-    """The prompts of one concurrency level: consecutive windows of the file (cycling), so a mode
-    that learns from its own outputs (NGRAM's corpus) does not see the same prompt twice when the
-    file is long enough; every mode gets the same window at the same level."""
-    start = sum(sizes[:level_index]) % len(texts)
-    return [texts[(start + i) % len(texts)] for i in range(sizes[level_index])]
 
 
 def _mode_extra(run: ModeRun, args, model_dir: Path) -> tuple[list[str] | None, str | None]:
@@ -461,29 +213,6 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(r["status"] == "error" for r in report["results"]) else 0
 
 
-def finish_report(report: dict) -> None:
-    """Fill what needs every mode: the ratios to AR at each concurrency (all requests and the
-    non-looping ones), and the notes on rows whose baseline cannot honour the run's settings."""
-    from selfspec.decoding import registry
-
-    ar = next((r for r in report["results"] if r["mode"] == "ar" and r["status"] == "ok"), None)
-    ar_by_c = {lv["concurrency"]: lv for lv in (ar["levels"] if ar else [])}
-    greedy_ngram = report["temperature"] > 0 and ngram_verifies_greedily(report["device"])
-    sent = sum(level_sizes(report.get("concurrency", []), report.get("num_prompts", 0)))
-    repeats = sent > report.get("prompts_available", math.inf)  # the levels' windows wrap around the set
-    report["prompts_reused"] = repeats
-    for r in report["results"]:
-        notes = r.setdefault("notes", [])
-        if r["status"] == "ok" and registry.get(r["mode"]).builtin_sglang_algorithm == "NGRAM":
-            notes += [NGRAM_GREEDY_NOTE] if greedy_ngram else []
-        if r["status"] == "ok" and r["mode"] != "ar" and repeats:
-            notes.append(REPEAT_NOTE)
-        for lv in r.get("levels", []):
-            base = ar_by_c.get(lv["concurrency"])
-            lv["ratio_vs_ar"] = lv["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else None
-            set_ratio_vs_ar(lv.get("non_loop"), (base or {}).get("non_loop"))
-
-
 def _mean_prompt_tokens(model_dir: Path, prompts: list[str]) -> int:
     from transformers import AutoTokenizer
 
@@ -510,8 +239,8 @@ def _start_row(run: ModeRun, args, model_dir, log_dir, ServerProcess, ServerSpec
     try:
         proc.start()
         row["startup_s"] = time.perf_counter() - t0
-        run_level(proc.base_url, ["def warmup():\n"] * 2, 1, min(8, args.max_tokens), args.temperature,
-                  False)  # warm-up
+        run_requests(proc.base_url, ["def warmup():\n"] * 2, 1, min(8, args.max_tokens), args.temperature,
+                     False)  # warm-up
         served = server_stats(proc.base_url).get("selfspec") or {}
         row.update(selfspec_plan=served.get("plan"), selfspec_policy=served.get("policy"))
     except Exception as e:
@@ -548,19 +277,6 @@ def _level_row(mode: str, label: str, concurrency: int, chunks: list[Chunk]) -> 
     return lv
 
 
-def step_kind_shares(kinds: list[dict[str, int] | None]) -> dict[str, float] | None:
-    """The share of a level's decode tokens each kind of step committed (None without the counts)."""
-    counted = [k for k in kinds if k is not None]
-    if not counted:
-        return None
-    total: dict[str, int] = {}
-    for k in counted:
-        for name, n in k.items():
-            total[name] = total.get(name, 0) + n
-    s = sum(total.values())
-    return {name: round(n / s, 3) for name, n in sorted(total.items())} if s > 0 else None
-
-
 def _add_genai_bench(row: dict, proc, args, model_dir, levels, log_dir, input_tokens) -> None:
     try:
         gb = run_genai_bench(proc.base_url, str(model_dir), levels, input_tokens, args.max_tokens,
@@ -591,19 +307,6 @@ def _bench_mode(run: ModeRun, args, model_dir, all_prompts, levels, log_dir, use
 
 #: what one idle tiny-model server holds (its three processes' resident memory, fewer pages shared)
 SERVER_MEMORY_GIB = 2.5
-
-
-def interleave_chunks(prompts: list[str], rounds: int, concurrency: int) -> list[list[str]]:
-    """A level's prompts as `rounds` consecutive chunks of at least C requests each (fewer chunks
-    where the level holds fewer than rounds x C: a chunk always fills its concurrency)."""
-    n = max(1, min(rounds, len(prompts) // max(1, concurrency)))
-    bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
-    return [prompts[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
-
-
-def round_order(items: list, round_index: int) -> list:
-    """Forward on even rounds, backward on odd ones (A B C, C B A, ...): no mode always runs first."""
-    return list(items) if round_index % 2 == 0 else list(items)[::-1]
 
 
 def _check_interleave_memory(modes: list[ModeRun]) -> None:
@@ -646,81 +349,7 @@ def _bench_interleaved(modes: list[ModeRun], args, model_dir, all_prompts, level
     return [row for row, _ in started]
 
 
-def format_table(report: dict) -> str:
-    def num(value, fmt: str) -> str:
-        return format(value, fmt) if isinstance(value, (int, float)) else "-"
-
-    head = ["mode", "C", "tok/s", "xAR", "TPOT p50", "TPOT p99", "TPF", "genai tok/s", "loops", "req tok/s",
-            "NL req tok/s", "NL xAR", "NL TPF"]
-    with_pred = any("predicted_tok_s" in lv for r in report["results"] for lv in r.get("levels", []))
-    if with_pred:
-        head += ["pred tok/s", "pred err", "step err", "pred xAR", "xAR err"]
-    rows, tails = [head], [""]
-    for r in report["results"]:
-        if r["status"] != "ok":
-            rows.append([r.get("label", r["mode"]), "", r["status"]] + [""] * (len(head) - 3))
-            tails.append(f": {str(r['reason']).splitlines()[0] if r['reason'] else ''}")
-            continue
-        for lv in r["levels"]:
-            nl = lv.get("non_loop") or {}
-            loops = lv.get("repetition_loops")
-            rows.append([
-                r.get("label", r["mode"]), str(lv["concurrency"]), num(lv["output_tok_s"], ".1f"), num(lv.get("ratio_vs_ar"), ".2f"),
-                num(lv["tpot_ms_p50"], ".1f"), num(lv["tpot_ms_p99"], ".1f"), num(lv.get("tpf"), ".2f"),
-                num((lv.get("genai_bench") or {}).get("output_tok_s"), ".1f"),
-                "-" if loops is None else f"{loops}/{lv['requests']}", num(lv.get("per_request_tok_s"), ".1f"),
-                num(nl.get("tokens_per_s"), ".1f"), num(nl.get("ratio_vs_ar"), ".2f"), num(nl.get("tpf"), ".2f"),
-            ] + ([num(lv.get("predicted_tok_s"), ".1f"), num(lv.get("prediction_error"), "+.0%"),
-                  num(lv.get("step_error"), "+.0%"), num(lv.get("predicted_speedup"), ".2f"),
-                  num(lv.get("speedup_error"), "+.0%")] if with_pred else []))
-            tails.append("".join(f"  [{n.split(':')[0]}]" for n in r.get("notes") or []))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = [" ".join(row[0].ljust(widths[0]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
-             .rstrip() + tail for row, tail in zip(rows, tails)]
-    lines.append("NL: requests whose output does not end in a repetition loop (per mode); req tok/s: tokens over "
-                 "the sum of the requests' latencies; NL xAR: NL req tok/s over AR's at the same C")
-    if with_pred:
-        lines.append("pred: the tuner's predicted tok/s of the level (replayed from per-prompt acceptance where the "
-                     "tune kept it, else a steady batch of min(C, requests)); pred err: predicted / measured - 1; "
-                     "step err: measured step (TPOT p50 x tokens per step served) / predicted step - 1, the cost model alone; pred xAR: predicted "
-                     "over AR's predicted, xAR err: that over the measured xAR - 1 (the machine's drift since the "
-                     "tune cancels)")
-    for r in report["results"]:
-        for note in r.get("notes") or []:
-            lines.append(f"note ({r['mode']}): {note}")
-    return "\n".join(lines)
-
-
-def plot(report: dict, out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in report["results"]:
-        if r["status"] != "ok" or not r["levels"]:
-            continue
-        xs = [lv["tpot_ms_p50"] for lv in r["levels"]]
-        ys = [lv["output_tok_s"] for lv in r["levels"]]
-        ax.plot(xs, ys, marker="o", label=r.get("label", r["mode"]))
-        for lv, x, y in zip(r["levels"], xs, ys):
-            ax.annotate(f"C={lv['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("TPOT p50 (ms per output token, lower is better)")
-    ax.set_ylabel("output tokens/s (higher is better)")
-    ax.set_title(f"selfspec modes served by SGLang: {Path(report['model']).name} ({report['device']})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="selfspec bench serve", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
