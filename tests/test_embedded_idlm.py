@@ -2,7 +2,7 @@
 they decode as promised on held-out prompts (the HF reference engine, fp32): greedy ISD of
 tiny-idlm and greedy RISD of tiny-idlm-lora reproduce AR token for token while taking several
 tokens per forward. TPF is a count of forwards, not a timing, so the floors below are
-deterministic; they sit well under the values the recipes measured (README, Results)."""
+deterministic; they sit well under the values the recipes measured (docs/results.md)."""
 
 from __future__ import annotations
 

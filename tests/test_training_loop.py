@@ -18,7 +18,7 @@ from selfspec.training.objective import OBJECTIVES
 
 TRAINING = Path(__file__).resolve().parents[1] / "selfspec" / "training"
 
-# The `selfspec train idlm` flags of the README and of the recipes before the loop was shared.
+# The `selfspec train idlm` flags of docs/training.md and of the recipes before the loop was shared.
 IDLM_FLAGS_BEFORE = {
     "--base", "--out", "--stride", "--curriculum", "--stage-fractions", "--lora-rank", "--lora-alpha",
     "--lora-targets", "--data", "--data-weights", "--seq-len", "--batch-size", "--grad-accum", "--steps",

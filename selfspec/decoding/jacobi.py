@@ -71,7 +71,7 @@ def context_draft(history: list[int], count: int, salt: int = 0) -> list[int]:
 
 @dataclass
 class JacobiConfig:
-    # CPU defaults, chosen by measured CPU time against AR (README "Mode defaults"); the reference
+    # CPU defaults, chosen by measured CPU time against AR (docs/results.md: mode defaults on CPU); the reference
     # GPU setting is block_size=64, max_blocks=2, init="random" (larger blocks pay on a GPU).
 
     block_size: int = 8  # n

@@ -23,7 +23,7 @@ batches, the plan's arm against plain AR steps and, at small batches, against th
 the same candidate (whether the mode's own proposals pay for their query tokens depends on the
 model), and serves the fastest: a policy that does not pay on some machine or model falls back
 by measurement. Nothing here is measured at start-up; the constants below were chosen on the
-`tune` prompts on a 2-core CPU (README: the default policy; `bench/results/policy/`).
+`tune` prompts on a 2-core CPU (docs/serving.md: the default policy; `bench/results/policy/`).
 
 On CUDA the verify width is captured once: the policy's widest bucket sets it, and narrower
 steps pad to it (the worker's fixed forward width).

@@ -40,7 +40,7 @@ from selfspec.decoding.tree_verify import TreePlan, build_branches, finish_split
 
 @dataclass
 class SJDConfig:
-    # CPU defaults (README "Mode defaults"): TPF barely moves with W on an untrained model while
+    # CPU defaults (docs/results.md: mode defaults on CPU): TPF barely moves with W on an untrained model while
     # the cost grows with it, so the window is small; H=1 catches the runs a small model falls into.
     # HB-SJD on image tokens uses W=16, H=one row up.
 
