@@ -2,8 +2,8 @@
 """The fuzz at length: many mixes of every request feature, sent at once to each served mode,
 against stock SGLang's AR server (answering one request at a time) and the reference engine.
 
-    python bench/fuzz_soak.py [--seeds 0-9] [--size 64] [--modes isd,isd-default,risd,jacobi,sjd]
-                              [--aborts 8] [--json out.json]
+    python bench/fuzz_soak.py [--seeds 0-9] [--size 64] [--modes isd,isd-default,risd,jacobi,sjd,sjd-retract]
+                              [--aborts 8] [--ar-answers AR.json] [--json out.json]
 
 Per seed, one mix of `--size` requests (tests/sglang_fixtures.py: `fuzz_request`: greedy and
 sampled, penalties, logit_bias, stop strings, min_new_tokens, logprobs, regex, JSON schema) is
@@ -27,13 +27,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-#: the soak's servers: label -> (model, extra SGLang arguments)
+#: the soak's servers: label -> (model, extra SGLang arguments, environment)
 SERVERS = {
-    "isd": ("tiny-base", ["--speculative-algorithm", "ISD", "--selfspec-policy", "own"]),
-    "isd-default": ("tiny-base", ["--speculative-algorithm", "ISD"]),
-    "risd": ("tiny-idlm-lora", []),
-    "jacobi": ("tiny-base", ["--speculative-algorithm", "JACOBI"]),
-    "sjd": ("tiny-base", ["--speculative-algorithm", "SJD"]),
+    "isd": ("tiny-base", ["--speculative-algorithm", "ISD", "--selfspec-policy", "own"], {}),
+    "isd-default": ("tiny-base", ["--speculative-algorithm", "ISD"], {}),
+    "risd": ("tiny-idlm-lora", [], {}),
+    "jacobi": ("tiny-base", ["--speculative-algorithm", "JACOBI"], {}),
+    "sjd": ("tiny-base", ["--speculative-algorithm", "SJD"], {}),
+    # SGLang's retraction test mode: running requests are retracted and prefilled again
+    "sjd-retract": ("tiny-base", ["--speculative-algorithm", "SJD"], {"SGLANG_TEST_RETRACT": "1"}),
 }
 
 
@@ -78,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", default="0-9", help="mix seeds: a range 0-9 or a list 0,3,5 (default %(default)s)")
     p.add_argument("--size", type=int, default=64, help="requests per mix, sent at once (default %(default)s)")
-    p.add_argument("--modes", default=",".join(SERVERS), help=f"servers among {', '.join(SERVERS)}")
+    p.add_argument("--modes", default=",".join(SERVERS), help=f"servers among {', '.join(SERVERS)} (default: all)")
+    p.add_argument("--ar-answers", default=None, help="stock AR's answers: read from this JSON file when it holds "
+                   "the same mixes, else computed and written there")
     p.add_argument("--aborts", type=int, default=8, help="streams closed early per mix (default %(default)s)")
     p.add_argument("--logs", default="/tmp/selfspec-fuzz-soak", help="server logs (default %(default)s)")
     p.add_argument("--json", default=None, help="write the counts here")
@@ -104,9 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     ar_args = fx.server_args("--disable-radix-cache", "--disable-overlap-schedule")
     mixes = fx.fuzz_mixes(seeds, args.size)
-    ar = fx.start_server(factory, "ar", ar_args)
-    answers, ar = fx.fuzz_answers(ar, mixes, heldout_ids, lambda: fx.start_server(factory, "ar", ar_args))
-    ar.stop()
+    cache = Path(args.ar_answers) if args.ar_answers else None
+    cached = json.loads(cache.read_text()) if cache and cache.is_file() else None
+    if cached and cached.get("mixes") == mixes:
+        answers = [[tuple(a) for a in row] for row in cached["answers"]]
+    else:
+        ar = fx.start_server(factory, "ar", ar_args)
+        answers, ar = fx.fuzz_answers(ar, mixes, heldout_ids, lambda: fx.start_server(factory, "ar", ar_args))
+        ar.stop()
+        if cache:
+            cache.write_text(json.dumps({"mixes": mixes, "answers": answers}))
     crashed = sum(a[0] == fx.STOCK_AR_CRASHED for row in answers for a in row)
     report = {"seeds": list(seeds), "size": args.size, "requests": len(seeds) * args.size,
               "stock_ar_crashes": crashed, "stock_ar_seconds": round(time.time() - t0, 1),
@@ -114,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                                       if a[0] == fx.STOCK_AR_CRASHED], "modes": {}}
     print(f"stock AR: {report['requests']} requests one at a time, went down on {crashed}", flush=True)
     for mode in modes:
-        model, extra = SERVERS[mode]
+        model, extra, env = SERVERS[mode]
         t1 = time.time()
-        proc = fx.start_server(factory, mode, fx.server_args("--disable-radix-cache", *extra), model=model)
+        proc = fx.start_server(factory, mode, fx.server_args("--disable-radix-cache", *extra), model=model, env=env)
         try:
             greedy_only = mode == "jacobi"
             counts: dict = {}
