@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         if cache:
             cache.write_text(json.dumps({"mixes": mixes, "answers": answers}))
     crashed = sum(a[0] == fx.STOCK_AR_CRASHED for row in answers for a in row)
-    report = {"seeds": list(seeds), "size": args.size, "requests": len(seeds) * args.size,
+    report = {"seeds": list(seeds), "size": args.size, "requests": sum(len(m) for m in mixes),
               "stock_ar_crashes": crashed, "stock_ar_seconds": round(time.time() - t0, 1),
               "stock_ar_crashed_on": [r for mix, row in zip(mixes, answers) for r, a in zip(mix, row)
                                       if a[0] == fx.STOCK_AR_CRASHED], "modes": {}}
