@@ -8,6 +8,7 @@ module then starts its own mode server (module scope) and compares against that 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -248,14 +249,25 @@ LOGPROB_REQUESTS = [(0, {}), (1, {})]
 RULED_LOGPROB_REQUEST = (2, {"frequency_penalty": 0.5, "repetition_penalty": 1.2})
 
 
-def ruled_logprob_reference(heldout_ids: list[list[int]], model_path) -> list[float]:
+@functools.lru_cache(maxsize=2)
+def reference_engine(model_path: str):
+    """The HF reference engine on `model_path` (float32), its tokenizer and the model's stop tokens
+    (what a server stops on: the generation config's EOS ids), loaded once per process."""
     import torch
+    from transformers import AutoTokenizer, GenerationConfig
 
-    from selfspec.decoding.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
 
+    eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    return (HFEngine.from_pretrained(model_path, dtype=torch.float32), AutoTokenizer.from_pretrained(model_path),
+            list(eos) if isinstance(eos, (list, tuple)) else [eos])
+
+
+def ruled_logprob_reference(heldout_ids: list[list[int]], model_path) -> list[float]:
+    from selfspec.decoding.sampling import SamplingParams
+
     i, extra = RULED_LOGPROB_REQUEST
-    engine = HFEngine.from_pretrained(str(model_path), dtype=torch.float32)
+    engine = reference_engine(str(model_path))[0]
     return engine.generate([heldout_ids[i]], 16, SamplingParams(**extra), stop_token_ids=[], logprobs=True)[0].logprobs
 
 
@@ -616,28 +628,14 @@ def fuzz_reference(proc, heldout_ids: list[list[int]], restart) -> tuple[dict, o
     return {"mixes": mixes, "answers": answers}, proc
 
 
-_REFERENCE_ENGINE: dict = {}
-
-
 def reference_engine_greedy(request: dict, heldout_ids: list[list[int]], model_path) -> list[int]:
     """The HF reference engine's greedy answer to a fuzzed request (its logits rules token by
     token, its grammar through xgrammar; stop strings not applied, so a server's answer that a
     stop string ended is a prefix of it)."""
-    import torch
-    from transformers import AutoTokenizer
-
     from selfspec.decoding.sampling import SamplingParams
     from selfspec.engines.grammar import XGrammar
-    from selfspec.engines.hf import HFEngine
 
-    from transformers import GenerationConfig
-
-    if "engine" not in _REFERENCE_ENGINE:
-        _REFERENCE_ENGINE["engine"] = HFEngine.from_pretrained(str(model_path), dtype=torch.float32)
-        _REFERENCE_ENGINE["tokenizer"] = AutoTokenizer.from_pretrained(str(model_path))
-        eos = GenerationConfig.from_pretrained(str(model_path)).eos_token_id  # the server's stop tokens
-        _REFERENCE_ENGINE["stops"] = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-    engine, tok, stops = _REFERENCE_ENGINE["engine"], _REFERENCE_ENGINE["tokenizer"], _REFERENCE_ENGINE["stops"]
+    engine, tok, stops = reference_engine(str(model_path))
     sp = request["sampling_params"]
     params = SamplingParams(frequency_penalty=sp.get("frequency_penalty", 0.0),
                             presence_penalty=sp.get("presence_penalty", 0.0),
