@@ -269,3 +269,24 @@ def test_ar_steps_probe_the_plan_when_its_context_candidate_comes_true(text, wat
     assert (mode.check.watch_probes > 0) == probes_plan
     if probes_plan:
         assert arms[:3] == ["ar"] * 3 and arms[3] == "jacobi"  # right after the third copied token
+
+
+def test_a_planned_modes_per_sequence_state_goes_with_the_sequence(setup):
+    """The planned mode keeps its bucket owner and candidate watch per sequence by identity and
+    holds no sequence alive: a finished sequence's plan state goes with it."""
+    import gc
+    import weakref
+
+    from selfspec.decoding.step import DecodeSequence
+
+    mode = setup[0].build_mode("isd", None, [{"max_batch": None, "stride": 3, "context_tokens": 4}])
+    seqs = [DecodeSequence([1, 2, 3]), DecodeSequence([1, 2, 3])]  # equal contents, distinct sequences
+    mode.layouts(seqs)
+    plans = [mode.plan_of(s) for s in seqs]
+    assert plans[0] is not plans[1] and all(p.owner is mode.current for p in plans)
+    mode.start(seqs[0])
+    assert seqs[0].state is None and plans[0].owner is None and plans[1].owner is mode.current
+    gone = weakref.ref(seqs[0])
+    del seqs[0]
+    gc.collect()
+    assert gone() is None and len(mode._plans) == 1

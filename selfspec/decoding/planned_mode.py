@@ -5,6 +5,8 @@ run-time check (`online_check.py`) and, while AR steps serve, the candidate watc
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,6 +15,14 @@ from selfspec.decoding.candidate_watch import CandidateWatch
 from selfspec.decoding.online_check import OnlineCheck, size_class
 from selfspec.decoding.step import DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome
 from selfspec.decoding.width_plan import WidthPlan
+
+
+@dataclass
+class SequencePlan:
+    """What a planned mode keeps per sequence (beside the running bucket mode's `seq.state`)."""
+
+    owner: Mode | None = None  # the bucket mode whose `start` made `seq.state` (None: none yet)
+    watch: CandidateWatch | None = None  # the candidate watch while AR steps serve the sequence
 
 
 class PlannedMode(Mode):
@@ -38,6 +48,15 @@ class PlannedMode(Mode):
         self.max_width = max(m.max_width for m in every)
         self.greedy_only = any(m.greedy_only for m in self.greedy_modes + self.sampled_modes)
         self.current: Mode = self.greedy_modes[0]
+        # by sequence (identity), dropped with it: a finished sequence's plan goes when it does
+        self._plans: weakref.WeakKeyDictionary[DecodeSequence, SequencePlan] = weakref.WeakKeyDictionary()
+
+    def plan_of(self, seq: DecodeSequence) -> SequencePlan:
+        """`seq`'s per-sequence plan state, made on first use."""
+        plan = self._plans.get(seq)
+        if plan is None:
+            plan = self._plans[seq] = SequencePlan()
+        return plan
 
     @property
     def step_width(self) -> int:
@@ -67,8 +86,9 @@ class PlannedMode(Mode):
             arm = self.check.probe_plan(key)
         elif arm != "ar":  # what speculative steps emit is measured, not watched
             for s in seqs:
-                if s.watch is not None:
-                    s.watch.forget(s.history)
+                watch = self.plan_of(s).watch
+                if watch is not None:
+                    watch.forget(s.history)
         self._last = (key, arm)
         return self.ar_mode if arm == "ar" else lookup if arm == "lookup" else mode
 
@@ -80,9 +100,10 @@ class PlannedMode(Mode):
             return False
         hit = False
         for s in seqs:
-            if s.watch is None or s.watch.mode is not mode:
-                s.watch = CandidateWatch(mode, s)
-            hit = s.watch.came_true(s.history) >= need or hit  # every watch sees every token
+            plan = self.plan_of(s)
+            if plan.watch is None or plan.watch.mode is not mode:
+                plan.watch = CandidateWatch(mode, s)
+            hit = plan.watch.came_true(s.history) >= need or hit  # every watch sees every token
         return hit
 
     def observe(self, outcomes: list[StepOutcome], seconds: float) -> None:
@@ -95,14 +116,16 @@ class PlannedMode(Mode):
         self._last = None
 
     def start(self, seq: DecodeSequence) -> None:
-        seq.state, seq.state_owner = None, None  # the first step's bucket starts it
+        seq.state = None  # the first step's bucket starts it
+        self.plan_of(seq).owner = None
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
         mode = self.choose(seqs)
         for s in seqs:
-            if s.state_owner is not mode:
+            plan = self.plan_of(s)
+            if plan.owner is not mode:
                 mode.start(s)
-                s.state_owner = mode
+                plan.owner = mode
         self.current = mode
         return mode.layouts(seqs)
 

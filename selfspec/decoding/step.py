@@ -32,18 +32,16 @@ from selfspec.errors import UserError
 from selfspec.decoding.verify import REFERENCE_OPS, VerifyOps, VerifyResult
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: modes key per-sequence state by it
 class DecodeSequence:
     history: list[int]  # prompt + emitted tokens; the last one is the pending token
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    state: Any = None
-    state_owner: Any = None  # the mode object that made `state` (a planned mode switches owners)
+    state: Any = None  # the running mode's per-sequence state (`Mode.start` makes it)
     prompt_len: int = -1  # history[:prompt_len] is the prompt (-1: all of the initial history)
     stop_ids: frozenset[int] = frozenset()  # what min_new_tokens holds back
     constraint: Any = None  # a `logits_rules.TokenConstraint` (grammar), or None
     watermark: Any = None  # a `watermark.SequenceWatermark`, or None
     corpus_doc: int | None = None  # its document in the mode's `corpus.SharedCorpus`, once it has one
-    watch: Any = None  # a planned mode's `candidate_watch.CandidateWatch` while AR steps serve it
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
