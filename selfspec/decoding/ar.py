@@ -13,7 +13,7 @@ def next_tokens(logits: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """[B, V] -> [B]: the AR sampling rule (greedy rows: first argmax), seed column 0."""
     if ctx.all_greedy:
         return first_argmax(logits)
-    return sample(logits, ctx.seeds[:, 0], *ctx.sampling_args())
+    return sample(logits, ctx.seeds[:, 0], ctx.sampling_args())
 
 
 class ARMode(Mode):

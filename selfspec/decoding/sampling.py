@@ -20,10 +20,22 @@ argmax (no filter changes an argmax).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from selfspec.decoding.argmax import first_argmax
+
+
+class SamplingFilters(NamedTuple):
+    """The settings that make logits the sampling distribution p, in `logits_to_probs`'s argument
+    order (`logits_to_probs(logits, *filters)`): each one value for every row or a tensor of
+    per-row values. `top_k <= 0`, `top_p >= 1` and `min_p <= 0` switch a filter off."""
+
+    temperature: torch.Tensor | float
+    top_k: torch.Tensor | int = 0
+    top_p: torch.Tensor | float = 1.0
+    min_p: torch.Tensor | float = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def filters(self) -> SamplingFilters:
+        return SamplingFilters(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k, top-p or min-p is on."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0
 
     @property
     def has_logits_rules(self) -> bool:
@@ -172,13 +193,6 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     return token
 
 
-def sample(
-    logits: torch.Tensor,
-    seeds: torch.Tensor,
-    temperature: torch.Tensor | float,
-    top_k: torch.Tensor | int = 0,
-    top_p: torch.Tensor | float = 1.0,
-    min_p: torch.Tensor | float = 0.0,
-) -> torch.Tensor:
+def sample(logits: torch.Tensor, seeds: torch.Tensor, filters: SamplingFilters) -> torch.Tensor:
     """AR sampling: logits [..., V] -> tokens [...]; greedy rows give the first argmax."""
-    return sample_from_probs(logits_to_probs(logits, temperature, top_k, top_p, min_p), seeds)
+    return sample_from_probs(logits_to_probs(logits, *filters), seeds)

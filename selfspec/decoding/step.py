@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from selfspec.decoding.sampling import SamplingParams, logits_to_probs
+from selfspec.decoding.sampling import SamplingFilters, SamplingParams, logits_to_probs
 from selfspec.errors import UserError
 from selfspec.decoding.verify import REFERENCE_OPS, VerifyOps, VerifyResult
 
@@ -132,10 +132,7 @@ def collate(layouts: list[StepLayout], pad_token: int = 0, device=None) -> StepB
 class StepContext:
     """Per-row sampling settings and this step's seeds (see `selfspec.decoding.seeds`)."""
 
-    temperature: torch.Tensor  # [B] float
-    top_k: torch.Tensor  # [B] long
-    top_p: torch.Tensor  # [B] float
-    min_p: torch.Tensor  # [B] float
+    filters: SamplingFilters  # per-row tensors: temperature [B] float, top_k [B] long, top_p / min_p [B] float
     seeds: torch.Tensor  # [B, Mode.seeds_per_step] long
     ops: VerifyOps = REFERENCE_OPS  # the verify implementations (chosen once by the engine)
     filtered: bool = True  # some row uses top-k / top-p / min-p (False: known from the params)
@@ -146,7 +143,7 @@ class StepContext:
 
     @property
     def greedy(self) -> torch.Tensor:
-        return self.temperature <= 0
+        return self.filters.temperature <= 0
 
     @property
     def all_greedy(self) -> bool:
@@ -158,50 +155,50 @@ class StepContext:
         """The context of a subset of the batch's rows (an int: that one row, as views)."""
         if isinstance(rows, int):
             rows = slice(rows, rows + 1)
-        return StepContext(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
-                           self.seeds[rows], self.ops, self.filtered, self.shared_temperature,
+        return StepContext(SamplingFilters._make(t[rows] for t in self.filters), self.seeds[rows], self.ops,
+                           self.filtered, self.shared_temperature,
                            True if self.known_all_greedy else None)  # a subset of greedy rows is greedy
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The rows' sampling distributions: logits [B, ..., V] -> probs (`sampling.logits_to_probs`)."""
         return logits_to_probs(logits, *self.sampling_args())
 
-    def sampling_args(self) -> tuple:
-        """(temperature, top_k, top_p, min_p) for the sampling and verify functions, the filters
-        as their neutral scalars when no row uses them (the functions then skip them outright),
-        the temperature as a number when every row has the same one."""
-        temperature = self.temperature if self.shared_temperature is None else self.shared_temperature
+    def sampling_args(self) -> SamplingFilters:
+        """The settings for the sampling and verify functions: the filters as their neutral
+        scalars when no row uses them (the functions then skip them outright), the temperature
+        as a number when every row has the same one."""
+        temperature = self.filters.temperature if self.shared_temperature is None else self.shared_temperature
         if self.filtered:
-            return temperature, self.top_k, self.top_p, self.min_p
-        return temperature, 0, 1.0, 0.0
+            return SamplingFilters(temperature, *self.filters[1:])
+        return SamplingFilters(temperature)
 
     def row(self, b: int) -> dict:
         """Row b's settings as the scalar keywords of `tree_verify.verify_paths`."""
         if self.shared_temperature is not None and not self.filtered:  # known without reading tensors
-            return dict(temperature=self.shared_temperature, top_k=0, top_p=1.0, min_p=0.0)
-        return dict(temperature=float(self.temperature[b]), top_k=int(self.top_k[b]), top_p=float(self.top_p[b]),
-                    min_p=float(self.min_p[b]))
+            return SamplingFilters(self.shared_temperature)._asdict()
+        temperature, top_k, top_p, min_p = self.filters
+        return SamplingFilters(float(temperature[b]), int(top_k[b]), float(top_p[b]), float(min_p[b]))._asdict()
 
     @staticmethod
     def from_params(params: list[SamplingParams], seeds: torch.Tensor, ops: VerifyOps = REFERENCE_OPS) -> StepContext:
-        temperature, top_k, top_p, min_p = _param_tensors(tuple(params), seeds.device)
         return StepContext(
-            temperature, top_k, top_p, min_p, seeds, ops,
-            filtered=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params),
+            _param_tensors(tuple(params), seeds.device), seeds, ops,
+            filtered=any(p.filtered for p in params),
             shared_temperature=params[0].temperature if len({p.temperature for p in params}) == 1 else None,
             known_all_greedy=all(p.greedy for p in params),
         )
 
 
+_FILTER_DTYPES = SamplingFilters(torch.float32, torch.long, torch.float32, torch.float32)
+
+
 @functools.lru_cache(maxsize=256)
-def _param_tensors(params: tuple[SamplingParams, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+def _param_tensors(params: tuple[SamplingParams, ...], device: torch.device) -> SamplingFilters:
     """The batch's per-row settings as tensors, cached by the batch's settings: a served batch
     keeps its requests for many steps, and four small tensors a step were a measurable share of
     a batch-1 step on a CPU. Callers treat them as read-only."""
-    return (torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
+    return SamplingFilters._make(torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+                                 for name, dtype in _FILTER_DTYPES._asdict().items())
 
 
 @dataclass
@@ -225,11 +222,8 @@ def verify_drafts(
     if ctx.all_greedy:
         return ctx.ops.greedy(target_logits, drafts, num_drafts)
     depth = drafts.shape[1]
-    temperature, top_k, top_p, min_p = ctx.sampling_args()
-    return ctx.ops.speculative(
-        target_logits, drafts, num_drafts, ctx.seeds[:, : depth + 1],
-        temperature, top_k, top_p, tau, draft_probs, min_p=min_p,
-    )
+    return ctx.ops.speculative(target_logits, drafts, num_drafts, ctx.seeds[:, : depth + 1], tau=tau,
+                               draft_probs=draft_probs, **ctx.sampling_args()._asdict())
 
 
 class Mode:

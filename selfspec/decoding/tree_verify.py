@@ -32,7 +32,7 @@ import torch
 
 from selfspec.decoding import rng
 from selfspec.decoding.argmax import first_argmax
-from selfspec.decoding.sampling import logits_to_probs
+from selfspec.decoding.sampling import SamplingFilters, logits_to_probs
 from selfspec.decoding.step import StepContext, StepLayout, StepOutcome
 
 
@@ -122,6 +122,7 @@ def verify_paths(
     min_p: float = 0.0,
 ) -> PathResult:
     """logits [W, V] of one sequence's step; seeds [>= deepest path + 1] long."""
+    filters = SamplingFilters(temperature, top_k, top_p, min_p)
     alive = list(range(len(paths)))
     depth = 0
     greedy = temperature <= 0
@@ -151,7 +152,7 @@ def verify_paths(
                 continue
             return PathResult(_finished(paths, alive, depth), depth, token)
         row = logits[row_index]
-        residual = logits_to_probs(row, temperature, top_k, top_p, min_p)
+        residual = logits_to_probs(row, *filters)
         seed = seeds[depth]
         accepted = None
         for j, ((token, _), q) in enumerate(children.items()):
@@ -170,7 +171,7 @@ def verify_paths(
             alive, depth = _holding(paths, alive, depth, accepted), depth + 1
             continue
         if not residual.sum() > 0:  # only through rounding: p's mass sat on rejected children
-            residual = logits_to_probs(row, temperature, top_k, top_p, min_p)
+            residual = logits_to_probs(row, *filters)
         token = int(rng.race_argmax(residual, seed.view(1)))
         return PathResult(_finished(paths, alive, depth), depth, token)
 
