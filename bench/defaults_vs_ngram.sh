@@ -1,45 +1,59 @@
 #!/usr/bin/env bash
 # The README's serving results: every mode at its defaults (no plan file) beside stock AR and
 # SGLang's NGRAM, interleaved, on the eval prompts and on HumanEval, greedy and T=0.7, three runs
-# each; then the breakdown of ISD's default on HumanEval. About four hours on 2 CPU cores; run
-# nothing else meanwhile. Tables: python bench/median_table.py OUT/greedy-eval-{1,2,3}.json
+# each (RISD at T=0.7: one). About four hours on 2 CPU cores; run nothing else meanwhile. Each
+# set's runs are kept together in one runs file, OUT/SET.json (bench/median_table.py --save-runs;
+# the single reports go to WORK, runs/defaults-vs-ngram/), and OUT/README.md gets their median
+# tables. Where the speed comes from: `selfspec bench serve --breakdown`, or `make demo`.
 #
 #   bash bench/defaults_vs_ngram.sh [OUT_DIR] [RUNS]
+#   bash bench/defaults_vs_ngram.sh --tables [OUT_DIR]    # only OUT/README.md, from OUT's runs files
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tables_only=0
+if [[ ${1:-} == --tables ]]; then tables_only=1; shift; fi
 out=${1:-bench/results/defaults}
 runs=${2:-3}
+work=${WORK:-runs/defaults-vs-ngram}
+sets=(greedy-eval greedy-humaneval t07-eval t07-humaneval risd-greedy-eval risd-greedy-humaneval
+      risd-t07-eval risd-t07-humaneval)
 mkdir -p "$out"
-bench() { .venv/bin/selfspec bench serve --concurrency 1,4,16,32 --num-prompts 32 --max-tokens 128 \
-            --interleave 2 --genai-bench off "$@"; }
-main=(--model tiny-idlm --modes ar,ngram,isd,jacobi,sjd)
-sampled=(--model tiny-idlm --temperature 0.7 --modes ar,ngram,isd,sjd)
-risd=(--model tiny-idlm-lora --modes ar,ngram,risd)
-for i in $(seq 1 "$runs"); do
-  for p in eval humaneval; do
-    bench "${main[@]}" --prompts "$p" --json "$out/greedy-$p-$i.json"
-    bench "${risd[@]}" --prompts "$p" --json "$out/risd-greedy-$p-$i.json"
-    bench "${sampled[@]}" --prompts "$p" --json "$out/t07-$p-$i.json"
+
+if (( ! tables_only )); then
+  rm -rf "$work"; mkdir -p "$work"
+  bench() { .venv/bin/selfspec bench serve --concurrency 1,4,16,32 --num-prompts 32 --max-tokens 128 \
+              --interleave 2 --genai-bench off "$@"; }
+  main=(--model tiny-idlm --modes ar,ngram,isd,jacobi,sjd)
+  sampled=(--model tiny-idlm --temperature 0.7 --modes ar,ngram,isd,sjd)
+  risd=(--model tiny-idlm-lora --modes ar,ngram,risd)
+  for i in $(seq 1 "$runs"); do
+    for p in eval humaneval; do
+      bench "${main[@]}" --prompts "$p" --json "$work/greedy-$p-$i.json"
+      bench "${risd[@]}" --prompts "$p" --json "$work/risd-greedy-$p-$i.json"
+      bench "${sampled[@]}" --prompts "$p" --json "$work/t07-$p-$i.json"
+    done
   done
-done
-for p in eval humaneval; do
-  bench "${risd[@]}" --temperature 0.7 --prompts "$p" --json "$out/risd-t07-$p.json"
-done
-bench --model tiny-idlm --modes ar,ngram,isd --breakdown --prompts humaneval --json "$out/breakdown-greedy-humaneval.json"
-bench --model tiny-idlm --modes ar,ngram,isd --breakdown --prompts humaneval --temperature 0.7 \
-  --json "$out/breakdown-t07-humaneval.json"
+  for p in eval humaneval; do
+    bench "${risd[@]}" --temperature 0.7 --prompts "$p" --json "$work/risd-t07-$p-1.json"
+  done
+  for set in "${sets[@]}"; do
+    .venv/bin/python bench/median_table.py "$work"/$set-[0-9]*.json --save-runs "$out/$set.json" > /dev/null
+  done
+fi
+
 # the medians, one table per set (bench/results/defaults/README.md)
 {
   echo "# Every mode at its defaults beside stock AR and SGLang's NGRAM"; echo
-  echo "Written by \`bash bench/defaults_vs_ngram.sh\`: median of the runs in this folder. Cell: output"
-  echo "tok/s x AR (non-looping x AR) [x NGRAM / non-looping x NGRAM]. SGLang's NGRAM on CPU commits"
-  echo "argmax tokens at any temperature (eagle_utils._verify_uses_greedy): its T=0.7 rows are greedy."; echo
-  for set in greedy-eval greedy-humaneval t07-eval t07-humaneval risd-greedy-eval risd-greedy-humaneval; do
+  echo "Written by \`bash bench/defaults_vs_ngram.sh\` (tiny-idlm; RISD on tiny-idlm-lora, whose AR row is"
+  echo "tiny-base): 32 prompts per concurrency level × 128 tokens, \`--interleave 2\`, 2 shared CPU cores,"
+  echo "median of the runs of each set (\`SET.json\` in this folder holds them all). Cell: output tok/s ×"
+  echo "AR (non-looping × AR) [× NGRAM / non-looping × NGRAM]. Rows named \`*-tuned\`, where present,"
+  echo "served plans of the tuner that preceded \`selfspec tune\`: within the run-to-run noise of the"
+  echo "defaults, which is why that tuner was cut. SGLang's NGRAM on CPU commits argmax tokens at any"
+  echo "temperature (\`eagle_utils._verify_uses_greedy\`), so its T=0.7 rows are greedy decoding, not"
+  echo "sampling."; echo
+  for set in "${sets[@]}"; do
     echo "### $set"; echo
-    .venv/bin/python bench/median_table.py "$out"/$set-[0-9]*.json --markdown; echo
-  done
-  for p in eval humaneval; do
-    echo "### risd-t07-$p"; echo
-    .venv/bin/python bench/median_table.py "$out/risd-t07-$p.json" --markdown; echo
+    .venv/bin/python bench/median_table.py "$out/$set.json" --markdown; echo
   done
 } > "$out/README.md"

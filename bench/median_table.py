@@ -6,7 +6,12 @@ and on the non-looping ones (their per-request tok/s), the tokens per forward, a
 step committed the row's tokens. A run's ratios compare rows that met the same machine at the
 same time; the median of three keeps one disturbed run from deciding a cell.
 
-    python bench/median_table.py RUN1.json RUN2.json RUN3.json [--markdown] [--json OUT]
+    python bench/median_table.py RUN1.json RUN2.json RUN3.json [--markdown] [--json OUT] [--save-runs RUNS.json]
+    python bench/median_table.py RUNS.json [--markdown]
+
+A file is one report or a runs file, `{"schema": "selfspec.bench.serve.runs/v1", "runs": [report,
+...]}`, the repeats of one set kept together (what `--save-runs` writes from the reports read, and
+what bench/results/defaults/ holds).
 """
 
 from __future__ import annotations
@@ -16,6 +21,15 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+
+RUNS_SCHEMA = "selfspec.bench.serve.runs/v1"
+
+
+def load_reports(path: str | Path) -> list[dict]:
+    """The reports in one file: a `bench serve --json` report, or every run of a runs file."""
+    data = json.loads(Path(path).read_text())
+    return list(data["runs"]) if data.get("schema") == RUNS_SCHEMA else [data]
 
 
 def _level(row: dict, c: int) -> dict | None:
@@ -97,16 +111,20 @@ def table(reports: list[dict], markdown: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("reports", nargs="+", help="`selfspec bench serve --json` reports of the same rows")
+    p.add_argument("reports", nargs="+", help="`selfspec bench serve --json` reports of the same rows, or runs files")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", default=None, help="write the medians here")
+    p.add_argument("--save-runs", default=None, metavar="RUNS.json",
+                   help="write every report read, in order, as one runs file")
     args = p.parse_args(argv)
-    reports = [json.loads(Path(r).read_text()) for r in args.reports]
+    reports = [rep for path in args.reports for rep in load_reports(path)]
     if len({tuple(r["concurrency"]) for r in reports}) != 1:
         p.error("the reports' concurrency levels differ")
     print(table(reports, args.markdown))
     if args.json:
         Path(args.json).write_text(json.dumps(cells(reports), indent=1) + "\n")
+    if args.save_runs:
+        Path(args.save_runs).write_text(json.dumps({"schema": RUNS_SCHEMA, "runs": reports}, indent=2) + "\n")
     return 0
 
 
