@@ -1,5 +1,6 @@
-# The two commands of the README: `make demo` (the main job) and `make test`.
-.PHONY: setup demo test
+# The two commands of the README: `make demo` (the main job) and `make test`; `make results`
+# regenerates bench/results/.
+.PHONY: setup demo test results
 
 setup:
 	@bash scripts/setup_env.sh
@@ -13,3 +14,82 @@ TEST_WORKERS ?= 2
 
 test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadgroup
+
+# Every file under bench/results/, regenerated one topic after another by the committed bench
+# commands with the arguments that made it: about 8 hours on 2 shared CPU cores (times below are
+# per line, on those cores); run nothing else meanwhile. Work files go to runs/. The docs quoting
+# the numbers are not rewritten.
+SELFSPEC := .venv/bin/selfspec
+PY := .venv/bin/python
+R := bench/results
+TUNE := $(SELFSPEC) bench serve --model tiny-idlm --prompts tune --num-prompts 32 --max-tokens 128 --genai-bench off
+FW := --selfspec-config bench/fixed_widths
+
+results: setup
+# policy/: the tune-prompt runs behind the default policy's constants (docs/serving.md), about 10 min each
+	$(TUNE) --concurrency 1,2,4 --interleave 2 --modes ar,ngram,isd-s2=isd,isd-s3=isd,lookup16=isd,jacobi16=jacobi,sjd16=sjd \
+	  --mode-args "isd-s2=$(FW)/own16-isd.yaml" --mode-args "isd-s3=$(FW)/own16-isd-stride3.yaml" \
+	  --mode-args "lookup16=$(FW)/lookup16.yaml" --mode-args "jacobi16=$(FW)/own16-jacobi.yaml" \
+	  --mode-args "sjd16=$(FW)/own16-sjd.yaml" --json $(R)/policy/tune-greedy-small-batches.json
+	$(TUNE) --concurrency 4,8,16,32 --interleave 2 --modes ar,ngram,lookup16=isd,lookup12ca=isd,lookup8ca=isd,lookup4=isd \
+	  --mode-args "lookup16=$(FW)/lookup16.yaml" --mode-args "lookup12ca=$(FW)/lookup12ca.yaml" \
+	  --mode-args "lookup8ca=$(FW)/lookup8ca.yaml" --mode-args "lookup4=$(FW)/lookup4.yaml" \
+	  --json $(R)/policy/tune-greedy-wide-batches.json
+	$(TUNE) --concurrency 1,2 --interleave 2 --modes ar,ngram,lookup16=jacobi,jacobi16=jacobi,jb4=jacobi,jb4v2=jacobi \
+	  --mode-args "lookup16=$(FW)/lookup16.yaml" --mode-args "jacobi16=$(FW)/own16-jacobi.yaml" \
+	  --mode-args "jb4=$(FW)/own16-jacobi-b4.yaml" --mode-args "jb4v2=$(FW)/own16-jacobi-b4v2.yaml" \
+	  --json $(R)/policy/tune-greedy-jacobi-own-step.json
+	$(TUNE) --concurrency 1,4,16,32 --interleave 2 --modes ar,ngram,isd,l32x2=isd,l16x1a=isd,own32x2=isd \
+	  --mode-args "l32x2=$(FW)/lookup32x2.yaml" --mode-args "l16x1a=$(FW)/lookup16x1a.yaml" \
+	  --mode-args "own32x2=$(FW)/own32x2-isd.yaml" --json $(R)/policy/tune-greedy-draft-length.json
+	$(TUNE) --concurrency 4,16 --interleave 2 --modes ar,ngram,isd,isd-b2=isd \
+	  --mode-args "isd-b2=$(FW)/policy-branches2-isd.yaml" --json $(R)/policy/tune-greedy-branches.json
+	$(TUNE) --temperature 0.7 --concurrency 1,4,16 --interleave 2 --modes ar,isd-arsteps=isd,isd-s2c4=isd,sjd-c4=sjd,isd,sjd \
+	  --mode-args "isd-arsteps=--selfspec-policy ar" --mode-args "isd-s2c4=$(FW)/isd-stride2c4.yaml" \
+	  --mode-args "sjd-c4=$(FW)/sjd-c4.yaml" --json $(R)/policy/tune-t07.json
+	$(TUNE) --temperature 0.7 --concurrency 1,4,16,32 --interleave 1 --modes ar,ngram,isd,lk12s=isd,lk4s=isd \
+	  --mode-args "lk12s=$(FW)/lookup12x1a-sampled.yaml" --mode-args "lk4s=$(FW)/lookup4-sampled.yaml" \
+	  --json $(R)/policy/tune-t07-lookup.json
+# policy/: selfspec's context candidates vs SGLang's NGRAM drafter, replayed without forwards (about a minute)
+	$(PY) bench/context_lookup.py --json $(R)/policy/lookup-vs-ngram-drafter.json
+# defaults/: every mode at its defaults vs stock AR and NGRAM, 3 runs per set (about 4 h)
+	bash bench/defaults_vs_ngram.sh $(R)/defaults 3
+# serve-tiny-jf.json: tiny-jf served by stock SGLang, AR / NGRAM / JACOBI (about 10 min)
+	$(SELFSPEC) bench serve --modes ar,ngram,jacobi --model tiny-jf --concurrency 1,4,16 --num-prompts 16 \
+	  --max-tokens 128 --prompts bench/prompts/heldout.jsonl --genai-bench off --json $(R)/serve-tiny-jf.json
+# jf-ablation.json: tiny-jf's round-1 trajectories (tiny-base, n = 8; about 15 min), then 6 arms (about 25 min)
+	$(SELFSPEC) train jf-trajectories --model tiny-base --out runs/tiny-jf/round-1/trajectories --block-size 8 \
+	  --num-prompts 2048 --threads 2
+	$(PY) bench/jf_ablation.py --steps 100 --num-prompts 16 --json $(R)/jf-ablation.json \
+	  --arms progressive:nc,random:nc,reverse:nc,progressive:nc_ic,progressive:cllm,progressive:nc:16
+# grammar-proposals.json: grammar-masked vs raw ISD proposals under structured output (a few minutes)
+	$(PY) bench/grammar_proposals.py --json $(R)/grammar-proposals.json
+# fuzz-soak*.json: the fuzz soak, 1,120 requests per server (about 30 min), and SJD under retraction (about 5 min)
+	$(PY) bench/fuzz_soak.py --seeds 0-15 --size 64 --modes isd,isd-default,risd,jacobi,sjd --json $(R)/fuzz-soak.json
+	$(PY) bench/fuzz_soak.py --seeds 0-3 --size 64 --modes sjd-retract --json $(R)/fuzz-soak-retract.json
+# images/: sample quality and grids of the teacher (about 10 min) and the student (about 5 min); greedy
+# grids of cached AR and HB-SJD from the same prefixes (seconds)
+	$(SELFSPEC) eval-images --model tiny-c2i-teacher --num 2000 --cfg 2.0 --out $(R)/images/teacher-samples.png \
+	  --json $(R)/images/teacher-eval.json
+	$(SELFSPEC) eval-images --model tiny-c2i-student --num 5000 --cfg 2.0 --out $(R)/images/student-samples.png \
+	  --json $(R)/images/student-eval.json
+	$(SELFSPEC) generate-image --model tiny-c2i-student --mode ar --prefix-ratio 0.5 --num 20 \
+	  --out $(R)/images/student-ar-prefix0.5.png
+	$(SELFSPEC) generate-image --model tiny-c2i-student --mode hbsjd --prefix-ratio 0.5 --num 20 \
+	  --out $(R)/images/student-hbsjd-prefix0.5.png
+# rollout-student/, rollout-teacher/: HB-SJD rollouts against cached AR and the batch-synchronous
+# schedules, with sweeps (about 10 min and 3 min)
+	$(SELFSPEC) bench rollout --model tiny-c2i-student --batch 8,16,32,64 --window 8 --repeats 3 \
+	  --out $(R)/rollout-student
+	$(SELFSPEC) bench rollout --model tiny-c2i-teacher --batch 8,32 --window 8 --repeats 1 --verify greedy \
+	  --sweeps w --out $(R)/rollout-teacher
+# opd-compare/: on-policy distillation with AR vs HB-SJD rollouts, greedy then sampled (about 30 min
+# each; the table they print goes to the .log), and the distilled student's quality (about 5 min)
+	$(SELFSPEC) train opd-compare --out runs/opd-compare > $(R)/opd-compare/greedy.log
+	cp runs/opd-compare/compare.json $(R)/opd-compare/greedy.json
+	$(SELFSPEC) train opd-compare --out runs/opd-compare-prob --verify prob > $(R)/opd-compare/prob.log
+	cp runs/opd-compare-prob/compare.json $(R)/opd-compare/prob.json
+	$(SELFSPEC) eval-images --model runs/opd-compare/hbsjd/model --num 2000 --cfg 2.0 \
+	  --out $(R)/images/opd-student-samples.png --json $(R)/images/opd-student-eval.json
+# defaults/README.md: the median tables of the defaults runs (seconds)
+	bash bench/defaults_vs_ngram.sh --tables $(R)/defaults
