@@ -140,23 +140,73 @@ def _argmax_nan_update(score, offs, nan_idx, best, best_idx):
 
 
 @_device_fn
+def _load_tile(base, start, hi, BLOCK: tl.constexpr):
+    """One tile of a logits row: the offsets [start, start + BLOCK), which of them lie below `hi`,
+    and the logits there in fp32 (-inf past `hi`)."""
+    offs = start + tl.arange(0, BLOCK)
+    msk = offs < hi
+    return offs, msk, tl.load(base + offs, mask=msk, other=float("-inf")).to(tl.float32)
+
+
+@_device_fn
+def _kept(x, msk, thr, HAS_FILTER: tl.constexpr):
+    """The entries of `msk` the top-k / top-p / min-p filter keeps: logit >= the row's threshold."""
+    keep = msk
+    if HAS_FILTER:
+        keep = keep & (x >= thr)
+    return keep
+
+
+@_device_fn
+def _target_p(x, kept, c, m, S, at_argmax, greedy):
+    """p at logits x: exp2(x * c - m) / S on the kept entries (m, S: the row's base-2 online
+    softmax max and sum, c = log2(e) / T); a greedy row's p is one-hot at its first argmax."""
+    p_s = tl.where(kept, tl.exp2(x * c - m) / S, 0.0)
+    p_g = tl.where(at_argmax, 1.0, 0.0)
+    return tl.where(greedy, p_g, p_s)
+
+
+@_device_fn
+def _inf_gumbel_flag(h, msk):
+    """1 where the tile holds an entry whose Gumbel value from hash h is +inf (module doc), else 0."""
+    return tl.max((msk & ((h >> 8) == 0xFFFFFF)).to(tl.int32), axis=0)
+
+
+@_device_fn
+def _gumbel_winner(s2, g, cand, s2_max, idx):
+    """The first `idx` maximising s2 * ln2 + g among `cand` (2^31 - 1 when none), scored
+    relative to the candidates' largest s2, `s2_max`, so that huge scaled logits lose no precision."""
+    key = tl.where(cand, (s2 - tl.where(s2_max == float("-inf"), 0.0, s2_max)) * 0.6931471805599453 + g,
+                   float("-inf"))
+    kmax = tl.max(key, axis=0)
+    return tl.min(tl.where(cand & (key == kmax), idx, 2147483647), axis=0)
+
+
+@_device_fn
+def _merge_split_max(pm, pidx, poff, pmask):
+    """Rows of per-split maxima and first indices -> (the partial maxima [rows, splits], each
+    row's maximum, its first index)."""
+    M = tl.load(pm + poff, mask=pmask, other=float("-inf"))
+    IP = tl.load(pidx + poff, mask=pmask, other=2147483647)
+    m = tl.max(M, axis=1)
+    return M, m, tl.min(tl.where(pmask & (M == m[:, None]), IP, 2147483647), axis=1)
+
+
+@_device_fn
 def _stream_argmax(base, lo, hi, seed, WITH_FLAG: tl.constexpr, BLOCK: tl.constexpr):
     """First argmax of raw logits over [lo, hi); optionally whether some gumbel(seed, v+1) is +inf."""
     best = tl.full((), float("-inf"), tl.float32)
     bidx = lo
     flag = tl.zeros((), tl.int32)
     for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        msk = offs < hi
-        x = tl.load(base + offs, mask=msk, other=float("-inf")).to(tl.float32)
+        offs, msk, x = _load_tile(base, start, hi, BLOCK)
         bm = tl.max(x, axis=0)
         bi = tl.min(tl.where(msk & (x == bm), offs, 2147483647), axis=0)
         upd = bm > best
         best = tl.where(upd, bm, best)
         bidx = tl.where(upd, bi, bidx)
         if WITH_FLAG:
-            h = _hash_u32(seed, (offs + 1).to(tl.uint32))
-            flag = tl.maximum(flag, tl.max((msk & ((h >> 8) == 0xFFFFFF)).to(tl.int32), axis=0))
+            flag = tl.maximum(flag, _inf_gumbel_flag(_hash_u32(seed, (offs + 1).to(tl.uint32)), msk))
     return best, bidx, flag
 
 
@@ -171,12 +221,8 @@ def _stream_sampled(base, lo, hi, c, thr, seed, HAS_FILTER: tl.constexpr, WITH_G
     bidx = lo
     flag = tl.zeros((), tl.int32)
     for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        msk = offs < hi
-        x = tl.load(base + offs, mask=msk, other=float("-inf")).to(tl.float32)
-        keep = msk
-        if HAS_FILTER:
-            keep = keep & (x >= thr)
+        offs, msk, x = _load_tile(base, start, hi, BLOCK)
+        keep = _kept(x, msk, thr, HAS_FILTER)
         s2 = tl.where(keep, x * c, float("-inf"))
         bm = tl.max(s2, axis=0)
         m_new = tl.maximum(m, bm)
@@ -185,13 +231,9 @@ def _stream_sampled(base, lo, hi, c, thr, seed, HAS_FILTER: tl.constexpr, WITH_G
         m = m_new
         if WITH_GUMBEL:
             h = _hash_u32(seed, (offs + 1).to(tl.uint32))
-            flag = tl.maximum(flag, tl.max((msk & ((h >> 8) == 0xFFFFFF)).to(tl.int32), axis=0))
+            flag = tl.maximum(flag, _inf_gumbel_flag(h, msk))
             g = _gumbel(h)
-            cand = keep & (s2 > float("-inf"))
-            key = tl.where(cand, (s2 - tl.where(bm == float("-inf"), 0.0, bm)) * 0.6931471805599453 + g,
-                           float("-inf"))
-            kmax = tl.max(key, axis=0)
-            ki = tl.min(tl.where(cand & (key == kmax), offs, 2147483647), axis=0)
+            ki = _gumbel_winner(s2, g, keep & (s2 > float("-inf")), bm, offs)
             cs = tl.max(tl.where(offs == ki, s2, float("-inf")), axis=0)
             cg = tl.max(tl.where(offs == ki, g, float("-inf")), axis=0)
             better = (ki != 2147483647) & ((bs == float("-inf")) | ((cs - bs) * 0.6931471805599453 + (cg - bg) > 0))
@@ -226,18 +268,14 @@ def _spec_pass1(
         hi = tl.minimum(lo + CHUNK, V)
         base = logits + b.to(tl.int64) * s_lb + i.to(tl.int64) * s_lt
         seed = tl.load(seeds + b.to(tl.int64) * s_sb + i * s_st).to(tl.uint32)
-        out = row * NS + split
-        if temp <= 0.0:
+        if temp <= 0.0:  # the raw maximum and its first index; no sum, no Gumbel candidate
             if i == nd:
-                best, bidx, flag = _stream_argmax(base, lo, hi, seed, True, BLOCK)
+                m, bidx, flag = _stream_argmax(base, lo, hi, seed, True, BLOCK)
             else:
-                best, bidx, flag = _stream_argmax(base, lo, hi, seed, False, BLOCK)
-            tl.store(pm + out, best)
-            tl.store(ps + out, 0.0)
-            tl.store(pidx + out, bidx)
-            tl.store(pbs + out, float("-inf"))
-            tl.store(pbg + out, 0.0)
-            tl.store(pflag + out, flag)
+                m, bidx, flag = _stream_argmax(base, lo, hi, seed, False, BLOCK)
+            s = tl.zeros((), tl.float32)
+            bs = tl.full((), float("-inf"), tl.float32)
+            bg = tl.zeros((), tl.float32)
         else:
             c = 1.4426950408889634 / temp
             if HAS_FILTER:
@@ -248,12 +286,13 @@ def _spec_pass1(
                 m, s, bs, bg, bidx, flag = _stream_sampled(base, lo, hi, c, thr, seed, HAS_FILTER, True, BLOCK)
             else:
                 m, s, bs, bg, bidx, flag = _stream_sampled(base, lo, hi, c, thr, seed, HAS_FILTER, False, BLOCK)
-            tl.store(pm + out, m)
-            tl.store(ps + out, s)
-            tl.store(pidx + out, bidx)
-            tl.store(pbs + out, bs)
-            tl.store(pbg + out, bg)
-            tl.store(pflag + out, flag)
+        out = row * NS + split
+        tl.store(pm + out, m)
+        tl.store(ps + out, s)
+        tl.store(pidx + out, bidx)
+        tl.store(pbs + out, bs)
+        tl.store(pbg + out, bg)
+        tl.store(pflag + out, flag)
 
 
 @triton.jit(do_not_specialize=["V", "D", "NS"])
@@ -282,24 +321,20 @@ def _spec_decide(
     rows = b * (D + 1) + ii
     poff = rows[:, None] * NS + jj[None, :]
     pmask = live[:, None] & (jj[None, :] < NS)
-    M = tl.load(pm + poff, mask=pmask, other=float("-inf"))
+    M, m, amax = _merge_split_max(pm, pidx, poff, pmask)
     SP = tl.load(ps + poff, mask=pmask, other=0.0)
-    IP = tl.load(pidx + poff, mask=pmask, other=2147483647)
-    m = tl.max(M, axis=1)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     S = tl.sum(tl.where(pmask, SP * tl.exp2(M - m_ref[:, None]), 0.0), axis=1)
-    amax = tl.min(tl.where(pmask & (M == m[:, None]), IP, 2147483647), axis=1)
 
     dmask = live & (ii < D)
     x = tl.load(drafts + b64 * s_db + ii * s_dt, mask=dmask, other=0)
     xin = dmask & (x >= 0) & (x < V)
     xl = tl.load(logits + b64 * s_lb + ii.to(tl.int64) * s_lt + x, mask=xin, other=float("-inf")).to(tl.float32)
-    kept = xin
     if HAS_FILTER:
-        kept = kept & (xl >= tl.load(thr_ptr + rows, mask=live, other=float("-inf")))
-    p_s = tl.where(kept, tl.exp2(xl * c - m) / S, 0.0)
-    p_g = tl.where(xin & (x == amax), 1.0, 0.0)
-    p = tl.where(greedy, p_g, p_s)
+        thr = tl.load(thr_ptr + rows, mask=live, other=float("-inf"))
+    else:
+        thr = float("-inf")
+    p = _target_p(xl, _kept(xl, xin, thr, HAS_FILTER), c, m, S, xin & (x == amax), greedy)
     if HAS_Q:
         q = tl.load(q_ptr + b64 * s_qb + ii.to(tl.int64) * s_qt + x, mask=xin, other=0.0).to(tl.float32)
     else:
@@ -321,10 +356,7 @@ def _spec_decide(
     BG = tl.load(pbg + roff, mask=rmask, other=0.0)
     BI = tl.load(pidx + roff, mask=rmask, other=2147483647)
     cand = rmask & (BS > float("-inf"))
-    bsm = tl.max(tl.where(cand, BS, float("-inf")), axis=0)
-    key = tl.where(cand, (BS - tl.where(bsm == float("-inf"), 0.0, bsm)) * 0.6931471805599453 + BG, float("-inf"))
-    kmax = tl.max(key, axis=0)
-    kj = tl.min(tl.where(cand & (key == kmax), jj, 2147483647), axis=0)
+    kj = _gumbel_winner(BS, BG, cand, tl.max(tl.where(cand, BS, float("-inf")), axis=0), jj)
     nxt_s = tl.min(tl.where(jj == kj, BI, 2147483647), axis=0)
     nxt = tl.where(greedy, aj, nxt_s)
     resolved = (L >= nd_raw) & (flag == 0) & (nxt >= 0) & (nxt < V)
@@ -382,15 +414,8 @@ def _spec_pass2(
         pi = tl.full((), 2147483647, tl.int32)
         anypos = tl.zeros((), tl.int32)
         for start in range(lo, hi, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            msk = offs < hi
-            xv = tl.load(base + offs, mask=msk, other=float("-inf")).to(tl.float32)
-            kept = msk
-            if HAS_FILTER:
-                kept = kept & (xv >= thr)
-            p_s = tl.where(kept, tl.exp2(xv * c - m) / S, 0.0)
-            p_g = tl.where(offs == am, 1.0, 0.0)
-            p = tl.where(greedy, p_g, p_s)
+            offs, msk, xv = _load_tile(base, start, hi, BLOCK)
+            p = _target_p(xv, _kept(xv, msk, thr, HAS_FILTER), c, m, S, offs == am, greedy)
             if HAS_Q:
                 q = tl.load(q_ptr + b64 * s_qb + j * s_qt + offs, mask=msk & rejected & (j < D),
                             other=0.0).to(tl.float32)
@@ -484,10 +509,7 @@ def _greedy_combine(
         live = ii <= nd
         poff = (n * (D + 1) + ii)[:, None] * NS + jj[None, :]
         pmask = live[:, None] & (jj[None, :] < NS)
-        M = tl.load(pm + poff, mask=pmask, other=float("-inf"))
-        IP = tl.load(pidx + poff, mask=pmask, other=2147483647)
-        m = tl.max(M, axis=1)
-        am = tl.min(tl.where(pmask & (M == m[:, None]), IP, 2147483647), axis=1)
+        M, m, am = _merge_split_max(pm, pidx, poff, pmask)
         dmask = live & (ii < D)
         x = tl.load(drafts + n.to(tl.int64) * s_dn + ii * s_dt, mask=dmask, other=-1)
         match = (am == x) & (ii < nd_raw) & dmask
@@ -642,6 +664,28 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
+    """The first n strides of an optional kernel operand (zeros when absent: never read)."""
+    return tuple(t.stride()[:n]) if t is not None else (0,) * n
+
+
+def _verify_io(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor, bsz: int,
+               depth: int, out: tuple[torch.Tensor, ...] | None, out_tokens: torch.Tensor | None):
+    """The inputs as the kernels read them and the [B] outputs: (logits with a unit last stride,
+    drafts and num_drafts as int64 -- one dummy draft column when there are none -- accept_len,
+    next_tokens). `out_tokens` is checked against `bsz` rows of `depth` drafts."""
+    device = target_logits.device
+    logits = _unit_last(target_logits)
+    drafts = draft_tokens.to(device=device, dtype=torch.long)
+    if depth == 0:
+        drafts = torch.zeros((drafts.shape[0], 1), dtype=torch.long, device=device)
+    nd = num_drafts.to(device=device, dtype=torch.long).contiguous()
+    _check_out_tokens(out_tokens, bsz, depth)
+    accept_len = _output(out[0] if out is not None else None, bsz, device)
+    next_tokens = _output(out[1] if out is not None else None, bsz, device)
+    return logits, drafts, nd, accept_len, next_tokens
+
+
 def speculative_verify_triton(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -672,21 +716,14 @@ def speculative_verify_triton(
     device = target_logits.device
     if target_logits.shape != (bsz, rows_per_seq, vocab):
         raise ValueError(f"target_logits {tuple(target_logits.shape)} does not match drafts {tuple(draft_tokens.shape)}")
-    logits = _unit_last(target_logits)
-    drafts = draft_tokens.to(device=device, dtype=torch.long)
-    if depth == 0:
-        drafts = torch.zeros((bsz, 1), dtype=torch.long, device=device)
-    nd = num_drafts.to(device=device, dtype=torch.long).contiguous()
+    logits, drafts, nd, accept_len, next_tokens = _verify_io(
+        target_logits, draft_tokens, num_drafts, bsz, depth, out, out_tokens)
     seeds_l = seeds.to(device=device, dtype=torch.long)
     temp = _per_row(temperature, torch.float32, bsz, device)
     tau_b = _per_row(tau, torch.float32, bsz, device)
     thr = _filter_thresholds(logits, temp, top_k, top_p, min_p)
     has_q = draft_probs is not None
     q = _unit_last(draft_probs) if has_q else None
-    _check_out_tokens(out_tokens, bsz, depth)
-
-    accept_len = _output(out[0] if out is not None else None, bsz, device)
-    next_tokens = _output(out[1] if out is not None else None, bsz, device)
     if bsz == 0:
         return VerifyResult(accept_len, next_tokens)
 
@@ -713,9 +750,9 @@ def speculative_verify_triton(
         logits, logits.stride(0), logits.stride(1),
         drafts, drafts.stride(0), drafts.stride(1),
         nd, seeds_l, seeds_l.stride(0), seeds_l.stride(1), temp, tau_b, thr,
-        q, q.stride(0) if has_q else 0, q.stride(1) if has_q else 0,
+        q, *_strides(q, 2),
         pm, ps, pidx, pbs, pbg, pflag,
-        accept_len, next_tokens, tok, tok.stride(0) if tok is not None else 0,
+        accept_len, next_tokens, tok, *_strides(tok, 1),
         need, st_m, st_s, st_i,
         vocab, depth, ns,
         HAS_FILTER=thr is not None, HAS_Q=has_q, HAS_OUT_TOK=tok is not None,
@@ -725,7 +762,7 @@ def speculative_verify_triton(
         logits, logits.stride(0), logits.stride(1),
         drafts, drafts.stride(0), drafts.stride(1),
         nd, seeds_l, seeds_l.stride(0), seeds_l.stride(1), temp, thr,
-        q, q.stride(0) if has_q else 0, q.stride(1) if has_q else 0,
+        q, *_strides(q, 2),
         accept_len, need, st_m, st_s, st_i,
         r_nan, r_best, r_idx, p_nan, p_best, p_idx, pos,
         vocab, depth, ns2, chunk2,
@@ -734,7 +771,7 @@ def speculative_verify_triton(
     _spec_finalize[(bsz,)](
         need, accept_len, nd,
         r_nan, r_best, r_idx, p_nan, p_best, p_idx, pos,
-        next_tokens, tok, tok.stride(0) if tok is not None else 0,
+        next_tokens, tok, *_strides(tok, 1),
         ns2,
         HAS_OUT_TOK=tok is not None, BLOCK_NS=triton.next_power_of_2(ns2),
     )
@@ -749,14 +786,7 @@ def _greedy(logits, drafts, nd, cands, out, out_best, out_tokens, block_v, num_s
     depth = rows_per_seq - 1
     bsz = nseq // cands
     device = logits.device
-    logits = _unit_last(logits)
-    drafts = drafts.to(device=device, dtype=torch.long)
-    if depth == 0:
-        drafts = torch.zeros((nseq, 1), dtype=torch.long, device=device)
-    nd = nd.to(device=device, dtype=torch.long).contiguous()
-    _check_out_tokens(out_tokens, bsz, depth)
-    accept_len = _output(out[0] if out is not None else None, bsz, device)
-    next_tokens = _output(out[1] if out is not None else None, bsz, device)
+    logits, drafts, nd, accept_len, next_tokens = _verify_io(logits, drafts, nd, bsz, depth, out, out_tokens)
     if bsz == 0:
         return accept_len, next_tokens
     block = block_v or _default_block(vocab)
@@ -771,7 +801,7 @@ def _greedy(logits, drafts, nd, cands, out, out_best, out_tokens, block_v, num_s
     tok = out_tokens
     _greedy_combine[(bsz,)](
         drafts, drafts.stride(0), drafts.stride(1), nd, pm, pidx,
-        accept_len, next_tokens, out_best, tok, tok.stride(0) if tok is not None else 0,
+        accept_len, next_tokens, out_best, tok, *_strides(tok, 1),
         depth, ns, cands,
         HAS_BEST=out_best is not None, HAS_OUT_TOK=tok is not None,
         BLOCK_D=triton.next_power_of_2(rows_per_seq), BLOCK_NS=triton.next_power_of_2(ns),
