@@ -79,10 +79,10 @@ results: setup
 	  --out $(R)/images/student-hbsjd-prefix0.5.png
 # rollout-student/, rollout-teacher/: HB-SJD rollouts against cached AR and the batch-synchronous
 # schedules, with sweeps (about 10 min and 3 min)
-	$(SELFSPEC) bench rollout --model tiny-c2i-student --batch 8,16,32,64 --window 8 --repeats 3 \
+	$(SELFSPEC) bench rollout --model tiny-c2i-student --batch 8,16,32,64 --window 8 --repeats 3 --threads 1 \
 	  --out $(R)/rollout-student
-	$(SELFSPEC) bench rollout --model tiny-c2i-teacher --batch 8,32 --window 8 --repeats 1 --verify greedy \
-	  --sweeps w --out $(R)/rollout-teacher
+	$(SELFSPEC) bench rollout --model tiny-c2i-teacher --batch 8,32 --window 8 --repeats 1 --threads 1 \
+	  --verify greedy --sweeps w --out $(R)/rollout-teacher
 # opd-compare/: on-policy distillation with AR vs HB-SJD rollouts, greedy then sampled (about 30 min
 # each; the table they print goes to the .log), and the distilled student's quality (about 5 min)
 	$(SELFSPEC) train opd-compare --out runs/opd-compare > $(R)/opd-compare/greedy.log

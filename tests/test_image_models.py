@@ -71,18 +71,29 @@ def test_image_gpt_trains_exports_and_generates(tmp_path, capsys):
     assert "must be an image-token model" in capsys.readouterr().err
 
 
-def test_gamma_rule():
-    from selfspec.training.gamma import choose_gamma
+def test_break_even_rounds():
+    from selfspec.decoding.hbsjd import CompactionCosts
+    from selfspec.training.gamma import break_even_rounds
 
-    # forward cost linear in the rows, compaction cheap: compact as soon as an image finishes
-    linear = {b: {"forward_s": 0.01 * b, "compact_s": 0.001} for b in range(1, 9)}
-    assert choose_gamma(linear, 8) == 7
+    # forward cost linear in the rows, compaction cheap: a fraction of a round repays it
+    linear = CompactionCosts.from_sweep({b: {"forward_s": 0.01 * b, "compact_s": 0.001} for b in range(1, 9)})
+    assert break_even_rounds(linear, 8)[7] == pytest.approx(0.1)
     # forward cost flat (an unsaturated GPU): never worth compacting
-    flat = {b: {"forward_s": 0.01, "compact_s": 0.001} for b in range(1, 9)}
-    assert choose_gamma(flat, 8) == 0
-    # flat down to 4 images, then cheaper: compact from 3 on
-    knee = {b: {"forward_s": 0.01 if b > 3 else 0.004, "compact_s": 0.002} for b in range(1, 9)}
-    assert choose_gamma(knee, 8) == 3
+    flat = CompactionCosts.from_sweep({b: {"forward_s": 0.01, "compact_s": 0.001} for b in range(1, 9)})
+    assert set(break_even_rounds(flat, 8).values()) == {None}
+    # flat down to 4 images, then cheaper: compacting to 3 pays after a third of a round
+    knee = CompactionCosts.from_sweep({b: {"forward_s": 0.01 if b > 3 else 0.004, "compact_s": 0.002}
+                                       for b in range(1, 9)})
+    even = break_even_rounds(knee, 8)
+    assert even[4] is None and even[3] == pytest.approx(1 / 3)
+
+
+def test_calibrated_costs_on_the_student(student):
+    from selfspec.training.gamma import calibrated_costs
+
+    costs = calibrated_costs(student.model, batch=8, window=4, repeats=2)
+    assert costs.sizes == tuple(range(1, 9))
+    assert all(t > 0 for t in costs.forward_s + costs.compact_s)
 
 
 # ------------------------------------------------------------------------------ the committed models
@@ -111,6 +122,7 @@ def test_committed_models_and_provenance():
 
 @pytest.mark.parametrize("schedule", ["independent", "lockstep", "window"])
 def test_committed_student_greedy_hbsjd_equals_cached_ar(student, schedule):
+    from selfspec.decoding.hbsjd import CompactionCosts
     from selfspec.engines.rollout import RolloutConfig
     from selfspec.training.image_model import prefix_codes
 
@@ -118,10 +130,34 @@ def test_committed_student_greedy_hbsjd_equals_cached_ar(student, schedule):
     labels = torch.arange(6) % 10
     prefix = prefix_codes(student, labels, 0.5)
     ar = engine.rollout(labels, prefix, RolloutConfig(window=0))
+    costs = CompactionCosts.from_sweep({b: {"forward_s": 1.0 + 0.1 * b, "compact_s": 0.5} for b in range(1, 7)})
     for execution in ("full", "compact", "hybrid"):
-        out = engine.rollout(labels, prefix, RolloutConfig(window=8, schedule=schedule, execution=execution, gamma=3))
+        out = engine.rollout(labels, prefix, RolloutConfig(window=8, schedule=schedule, execution=execution,
+                                                           costs=costs))
         assert torch.equal(out.codes, ar.codes), execution
         assert out.rounds < ar.rounds
+
+
+def test_hybrid_compacts_early_when_the_rounds_left_repay_it(student):
+    """Real prefixes, images finishing over 13 rounds; one finished image saves 0.1 a round against
+    a compaction of 0.5. The one-round rule's γ would be 3 (full while more than 3 images run);
+    counting the rounds left, Hybrid compacts at the first finish, when many rounds remain, and
+    lets finished images ride along when few do."""
+    from selfspec.decoding.hbsjd import CompactionCosts
+    from selfspec.engines.rollout import RolloutConfig
+    from selfspec.training.image_model import prefix_codes
+
+    engine = student.engine()
+    labels = torch.arange(8) % 10
+    prefix = prefix_codes(student, labels, 0.5)
+    costs = CompactionCosts.from_sweep({b: {"forward_s": 1.0 + 0.1 * b, "compact_s": 0.5} for b in range(1, 9)})
+    compact = engine.rollout(labels, prefix, RolloutConfig(window=8, execution="compact"))
+    hybrid = engine.rollout(labels, prefix, RolloutConfig(window=8, execution="hybrid", costs=costs))
+    assert torch.equal(hybrid.codes, compact.codes)
+    first = next(t for t in hybrid.trace if t["active"] < 8)
+    assert first["active"] == 7 and first["rows"] == 14
+    assert 0 < hybrid.compactions < compact.compactions
+    assert any(t["rows"] > 2 * t["active"] for t in hybrid.trace)
 
 
 def test_hf_engine_runs_the_image_model(student):

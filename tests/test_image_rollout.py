@@ -20,6 +20,16 @@ from selfspec.training.image_gpt import ImageTokenLayout
 LAYOUT = ImageTokenLayout()
 
 
+def linear_costs(batch: int, per_image: float, compaction: float) -> hbsjd.CompactionCosts:
+    """A hand-built cost table: a forward costs 1 + per_image × b, a compaction `compaction`."""
+    sizes = tuple(range(1, batch + 1))
+    return hbsjd.CompactionCosts(sizes, tuple(1.0 + per_image * b for b in sizes), (compaction,) * batch)
+
+
+# a compaction repays itself once rounds left × images finished > 2.5
+SOME_ROUNDS = linear_costs(8, per_image=0.1, compaction=0.25)
+
+
 def tiny_image_model(seed: int = 0, peaked: float = 1.0, hidden: int = 32):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -145,7 +155,8 @@ def test_greedy_hbsjd_equals_cached_ar(copy_model, schedule, execution):
     for plen, window, offset in [(98, 6, 14), (0, 4, 3), (150, 9, 1)]:
         prefix = torch.randint(0, 256, (7, plen), generator=torch.Generator().manual_seed(plen))
         ar = engine.rollout(labels, prefix, RolloutConfig(window=0))
-        cfg = RolloutConfig(window=window, history_offset=offset, schedule=schedule, execution=execution, gamma=4)
+        cfg = RolloutConfig(window=window, history_offset=offset, schedule=schedule, execution=execution,
+                            costs=SOME_ROUNDS)
         out = engine.rollout(labels, prefix, cfg)
         assert torch.equal(out.codes, ar.codes), (plen, window, offset)
         assert out.tokens_per_round > 1.0  # the windows converge: more than one token per round
@@ -163,17 +174,53 @@ def test_synchronous_schedules_need_more_rounds(copy_model):
 def test_execution_modes_shrink_the_batch(copy_model):
     engine = ImageRolloutEngine(copy_model, LAYOUT)
     labels, prefix = torch.arange(8) % 10, torch.randint(0, 256, (8, 98))
-    traces = {e: engine.rollout(labels, prefix, RolloutConfig(window=6, execution=e, gamma=3)).trace
-              for e in ("full", "compact", "hybrid")}
-    assert {t["rows"] for t in traces["full"]} == {16}  # both rows of every image, to the end
-    assert min(t["rows"] for t in traces["compact"]) < 16
-    hybrid_rows = [t["rows"] for t in traces["hybrid"]]
-    assert all(r == 16 for r, t in zip(hybrid_rows, traces["hybrid"]) if t["active"] > 3)
-    assert min(hybrid_rows) <= 6
+
+    def rollout(execution, costs=None):
+        return engine.rollout(labels, prefix, RolloutConfig(window=6, execution=execution, costs=costs))
+
+    full, compact = rollout("full"), rollout("compact")
+    assert {t["rows"] for t in full.trace} == {16} and full.compactions == 0  # every image's rows, to the end
+    assert min(t["rows"] for t in compact.trace) < 16
+    assert [t["rows"] for t in compact.trace] == [2 * t["active"] for t in compact.trace]  # at every finish
+    flat = rollout("hybrid", linear_costs(8, per_image=0.0, compaction=1e-3))  # an unsaturated GPU: never pays
+    assert [t["rows"] for t in flat.trace] == [t["rows"] for t in full.trace]
+    steep = rollout("hybrid", linear_costs(8, per_image=1.0, compaction=1e-3))  # a CPU: pays at every finish
+    assert [t["rows"] for t in steep.trace] == [t["rows"] for t in compact.trace]
+    assert torch.equal(flat.codes, full.codes) and torch.equal(steep.codes, compact.codes)
+
+
+def test_hybrid_compacts_when_the_rounds_left_repay_it():
+    """One finished image of 8 saves 0.1 a round against a compaction of 0.5: ten rounds left
+    repay it, two do not. The one-round rule (γ = the largest b with t_f(8) − t_f(b) ≥ t_c(b),
+    here 3) would stay full in both cases."""
+    costs = linear_costs(8, per_image=0.1, compaction=0.5)
+    assert hbsjd.should_compact(costs, batch=8, active=7, rounds=10)
+    assert not hbsjd.should_compact(costs, batch=8, active=7, rounds=2)
+    assert hbsjd.should_compact(costs, batch=8, active=3, rounds=2)  # five finished: two rounds repay it
+    assert not hbsjd.should_compact(costs, batch=8, active=8, rounds=100)  # nothing to remove
+    assert not hbsjd.should_compact(linear_costs(8, 0.0, 1e-6), batch=8, active=1, rounds=100)  # flat: never
+    assert hbsjd.should_compact(costs, batch=5, active=4, rounds=6)  # after a compaction: from the current batch
+
+
+def test_rounds_left_and_cost_table():
+    length, active = torch.tensor([197, 150, 180, 197]), torch.tensor([False, True, True, False])
+    assert hbsjd.rounds_left(length, 197, active, tokens_per_round=4.7) == pytest.approx(47 / 4.7)
+    assert hbsjd.rounds_left(length, 197, active, tokens_per_round=0.0) == 47  # before any commit: one a round
+    assert hbsjd.rounds_left(torch.tensor([196]), 197, torch.tensor([True]), 5.0) == 1.0  # this round at least
+    noisy = hbsjd.CompactionCosts.from_sweep({"1": {"forward_s": 1.0, "compact_s": 0.1},
+                                              "4": {"forward_s": 4.0, "compact_s": 0.4},
+                                              "6": {"forward_s": 3.0, "compact_s": 0.6},  # a noisy dip
+                                              "8": {"forward_s": 8.0, "compact_s": 0.8}})
+    assert noisy.forward(4) == noisy.forward(6) == pytest.approx(3.5)  # made non-decreasing
+    assert noisy.forward(2) == pytest.approx(1.0 + 2.5 / 3) and noisy.forward(7) == pytest.approx(5.75)
+    assert noisy.forward(16) == 8.0 and noisy.compact(5) == pytest.approx(0.5)
+    assert hbsjd.CompactionCosts.from_sweep(noisy.to_sweep()) == noisy
+    with pytest.raises(ValueError, match="increasing"):
+        hbsjd.CompactionCosts((2, 1), (1.0, 1.0), (0.1, 0.1))
 
 
 def test_rollout_config_errors():
-    with pytest.raises(ValueError, match="gamma"):
+    with pytest.raises(ValueError, match="costs"):
         RolloutConfig(execution="hybrid")
     with pytest.raises(ValueError, match="schedule"):
         RolloutConfig(schedule="sync")

@@ -100,7 +100,7 @@ def _cfg(micro_pair, tmp_path, **kw):
     teacher, student = micro_pair
     base = OPDConfig(out=str(tmp_path / "out"), teacher=str(teacher), student=str(student), batch_size=4,
                      prefix_ratio=0.9, steps=4, eval_every=0, eval_images=20, lr=3e-3, warmup_ratio=0.0,
-                     checkpoint_dir=str(tmp_path / "ck"), progress_bar=False, gamma=2, threads=1)
+                     checkpoint_dir=str(tmp_path / "ck"), progress_bar=False, threads=1)
     return replace(base, **kw)
 
 
@@ -194,7 +194,7 @@ def test_compare_run_reports_both_backends_and_stages(micro_pair, tmp_path):
 
     teacher, student = micro_pair
     base = OPDConfig(out=str(tmp_path / "unused"), teacher=str(teacher), student=str(student), batch_size=4,
-                     prefix_ratio=0.9, steps=3, eval_every=0, eval_images=20, gamma=2, threads=1, progress_bar=False)
+                     prefix_ratio=0.9, steps=3, eval_every=0, eval_images=20, threads=1, progress_bar=False)
     report = compare(base, tmp_path / "cmp")
     assert set(report["runs"]) == {"ar", "hbsjd"} and len(report["stages"]) == 3
     for run in report["runs"].values():

@@ -127,3 +127,79 @@ def append_chain(seq: torch.Tensor, length: torch.Tensor, chain: torch.Tensor, k
     current = seq.gather(1, pos)
     write = torch.arange(width, device=seq.device).unsqueeze(0) < keep.unsqueeze(1)
     return seq.scatter(1, pos, torch.where(write, chain, current))
+
+
+# ------------------------------------------------------------------------------ Hybrid execution
+@dataclass(frozen=True)
+class CompactionCosts:
+    """Measured seconds per batch size b (images in the batch, ascending): one verification
+    forward of b images' rows (`forward_s`) and one compaction down to b images (`compact_s`,
+    the KV `select` of every layer and the state gathers). `training.gamma.calibrated_costs`
+    measures them. Between measured sizes the costs are interpolated linearly, beyond them held
+    flat; the forward costs are first made non-decreasing in b (pool-adjacent-violators), since
+    more rows never cost less and a noisy dip would otherwise read as a saving."""
+
+    sizes: tuple[int, ...]
+    forward_s: tuple[float, ...]
+    compact_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sizes or not len(self.sizes) == len(self.forward_s) == len(self.compact_s):
+            raise ValueError("costs need one forward and one compaction time per size")
+        if list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"sizes must be strictly increasing, got {self.sizes}")
+
+    @classmethod
+    def from_sweep(cls, sweep: dict) -> "CompactionCosts":
+        """From {b: {"forward_s", "compact_s"}} (the calibration's JSON; keys may be strings)."""
+        items = sorted((int(b), c) for b, c in sweep.items())
+        return cls(tuple(b for b, _ in items), tuple(float(c["forward_s"]) for _, c in items),
+                   tuple(float(c["compact_s"]) for _, c in items))
+
+    def to_sweep(self) -> dict[int, dict[str, float]]:
+        return {b: {"forward_s": f, "compact_s": c} for b, f, c in zip(self.sizes, self.forward_s, self.compact_s)}
+
+    def forward(self, images: int) -> float:
+        return _interpolate(self.sizes, _non_decreasing(self.forward_s), images)
+
+    def compact(self, images: int) -> float:
+        return _interpolate(self.sizes, self.compact_s, images)
+
+
+def _non_decreasing(values: tuple[float, ...]) -> list[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+def _interpolate(xs: tuple[int, ...], ys, x: float) -> float:
+    if x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[-1]
+
+
+def rounds_left(length: torch.Tensor, total: int, active: torch.Tensor, tokens_per_round: float) -> float:
+    """Rounds until the last active image is complete (this one included), estimated from the
+    tokens the active images still need and the tokens an image has committed per round so far."""
+    remaining = int(torch.where(active, total - length, torch.zeros_like(length)).max())
+    return max(1.0, remaining / max(tokens_per_round, 1.0))
+
+
+def should_compact(costs: CompactionCosts, batch: int, active: int, rounds: float) -> bool:
+    """Hybrid execution's rule: with `active` of the `batch` images in the batch still running and
+    `rounds` rounds to go, remove the finished ones when the forwards it saves over those rounds,
+    rounds × (t_f(batch) − t_f(active)), exceed one compaction, t_c(active). A compaction is paid
+    once and saves in every later round, so it pays late in a rollout only for many finished
+    images, early even for one; where a forward's cost hardly depends on its rows (a GPU below
+    saturation) it never pays, and the batch keeps its shape to the end."""
+    if active >= batch:
+        return False
+    return rounds * (costs.forward(batch) - costs.forward(active)) > costs.compact(active)

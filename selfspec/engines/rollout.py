@@ -2,7 +2,8 @@
 transformers image-token GPT (`training.image_gpt`), with Full / Compact / Hybrid execution.
 
     engine = ImageRolloutEngine(model, layout)
-    out = engine.rollout(labels, prefix, RolloutConfig(window=8, execution="hybrid", gamma=12))
+    costs = calibrated_costs(model, batch=32, window=8)       # training.gamma
+    out = engine.rollout(labels, prefix, RolloutConfig(window=8, execution="hybrid", costs=costs))
     out.codes        # [B, 196], the prefix then the generated codes
 
 Each image is a pair of rows in one `SlotKVCache` (conditional rows 0..B-1, unconditional rows
@@ -13,8 +14,9 @@ restricted to codes (`decoding.cfg`), verified (`decoding.verify` through the en
 
 Physical execution: `full` keeps every image in the batch to the end (finished ones ride along,
 committing nothing); `compact` removes finished images from the batch and the KV cache as soon
-as any finishes; `hybrid` runs full while more than `gamma` images are active, then compacts
-(γ from `calibrate_gamma`). The three give identical tokens.
+as any finishes; `hybrid` compacts when the rounds still to run repay it
+(`hbsjd.should_compact` on the costs `selfspec calibrate-gamma` measures). The three give
+identical tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ EXECUTIONS = ("full", "compact", "hybrid")
 @dataclass
 class RolloutConfig(hbsjd.HBSJDConfig):
     execution: str = "compact"
-    gamma: int | None = None  # hybrid: compact once at most this many images are active
+    costs: hbsjd.CompactionCosts | None = None  # hybrid: the measured costs it decides by
     cfg_scale: float = 2.0
     temperature: float = 1.0  # verify="prob" (and AR sampling): the sampling distribution
     top_k: int = 0
@@ -49,8 +51,8 @@ class RolloutConfig(hbsjd.HBSJDConfig):
         super().__post_init__()
         if self.execution not in EXECUTIONS:
             raise ValueError(f"execution must be one of {', '.join(EXECUTIONS)}, got {self.execution!r}")
-        if self.execution == "hybrid" and self.gamma is None:
-            raise ValueError("hybrid execution needs gamma (see `selfspec calibrate-gamma`)")
+        if self.execution == "hybrid" and self.costs is None:
+            raise ValueError("hybrid execution needs measured costs (see `selfspec calibrate-gamma`)")
         if self.verify == "prob" and self.temperature <= 0:
             raise ValueError("probabilistic verification samples: temperature must be > 0")
 
@@ -69,6 +71,7 @@ class RolloutResult:
     committed_background: int
     image_rounds: int  # sum over rounds of the images that committed something
     finish_seconds: torch.Tensor  # [B] when each image had all its codes, from the start of the rollout
+    compactions: int = 0  # times finished images left the batch
     trace: list[dict] = field(default_factory=list)  # per round: active images, width, committed
 
     @property
@@ -81,6 +84,7 @@ class RolloutResult:
                 "mean_latency_s": round(float(self.finish_seconds.mean()), 4),
                 "p95_latency_s": round(float(self.finish_seconds.quantile(0.95)), 4),
                 "mean_rounds_per_image": round(float(self.rounds_per_image.float().mean()), 2),
+                "compactions": self.compactions,
                 "tokens_per_round": round(self.tokens_per_round, 3),
                 "foreground_per_round": round(self.committed_foreground / n, 3),
                 "background_per_round": round(self.committed_background / n, 3)}
@@ -154,15 +158,15 @@ class ImageRolloutEngine:
         base = torch.arange(bsz, device=dev) + seed * 1_000_003
         counter = torch.zeros(bsz, dtype=torch.long, device=dev)
         window_end = length + w if cfg.schedule == "window" else None
-        gamma = {"full": 0, "compact": bsz, "hybrid": cfg.gamma}[cfg.execution]
-        fg = bg = image_rounds = rounds = 0
+        fg = bg = image_rounds = rounds = compactions = 0
         trace: list[dict] = []
         while True:
             active = length < total
             n_active = int(active.sum())
             if n_active == 0:
                 break
-            if n_active <= gamma and n_active < len(length):  # compact: finished images leave
+            if n_active < len(length) and self._compacts(cfg, length, total, active, n_active, fg + bg, image_rounds):
+                compactions += 1  # finished images leave the batch and the KV cache
                 keep_rows = active.nonzero().squeeze(1)
                 out[index[~active]] = seq[~active, :total]
                 cache.select(torch.cat([keep_rows, keep_rows + len(length)]) if guided else keep_rows)
@@ -219,7 +223,16 @@ class ImageRolloutEngine:
                           "committed": int(keep.sum())})
         out[index] = seq[:, :total]
         return RolloutResult(out[:, 1:], rounds, time.perf_counter() - started, rounds_per_image, fg, bg,
-                             image_rounds, finish, trace)
+                             image_rounds, finish, compactions, trace)
+
+    @staticmethod
+    def _compacts(cfg: RolloutConfig, length: torch.Tensor, total: int, active: torch.Tensor, n_active: int,
+                  committed: int, image_rounds: int) -> bool:
+        """Whether the finished images leave the batch before this round."""
+        if cfg.execution != "hybrid":
+            return cfg.execution == "compact"
+        rounds = hbsjd.rounds_left(length, total, active, committed / max(1, image_rounds))
+        return hbsjd.should_compact(cfg.costs, len(length), n_active, rounds)
 
     def _prefill(self, cache: SlotKVCache, tokens: torch.Tensor) -> None:
         batch = causal_batch(tokens)

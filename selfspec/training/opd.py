@@ -63,7 +63,8 @@ class OPDConfig(LoopConfig):
     temperature: float = option(1.0, help="rollout temperature with --verify prob")
     window: int = option(8, help="HB-SJD window W")
     history_offset: int = option(14, help="HB-SJD history offset H (14: one row up)")
-    gamma: int | None = option(None, help="Hybrid execution's γ (default: measured at start, `calibrate-gamma` rule)")
+    compaction_costs: str | None = option(None, help="Hybrid execution's cost table, a `selfspec calibrate-gamma` "
+                                                     "JSON (default: measured at start)")
     varkd_confidence: float = option(0.3, help="varkd: teacher top-1 probability that selects a position")
     varkd_top_k: int = option(16, help="varkd: teacher codes kept (and renormalised) in the target")
     eval_images: int = option(200, help="images sampled per evaluation (FID / IS / P / R / class accuracy)")
@@ -92,14 +93,19 @@ class OPDConfig(LoopConfig):
             raise UsageError("--window and --history-offset must be >= 1")
 
 
-def rollout_config(cfg: OPDConfig, backend: str, gamma: int | None):
-    """The rollouts of `backend` under `cfg`: cached AR (window 0), or HB-SJD with Hybrid execution."""
+def rollout_config(cfg: OPDConfig, backend: str, costs):
+    """The rollouts of `backend` under `cfg`: cached AR (window 0), or HB-SJD with Hybrid execution
+    deciding by `costs` (`hbsjd.CompactionCosts`)."""
     from selfspec.engines.rollout import RolloutConfig
 
     hbsjd = backend == "hbsjd"
     return RolloutConfig(window=cfg.window if hbsjd else 0, history_offset=cfg.history_offset, verify=cfg.verify,
-                         execution="hybrid" if hbsjd else "compact", gamma=gamma if hbsjd else None,
+                         execution="hybrid" if hbsjd else "compact", costs=costs if hbsjd else None,
                          cfg_scale=cfg.cfg_scale, temperature=cfg.temperature)
+
+
+def _costs_json(costs) -> dict | None:
+    return None if costs is None else {str(b): c for b, c in costs.to_sweep().items()}
 
 
 def _restricted(logits: torch.Tensor, num_codes: int) -> torch.Tensor:
@@ -146,13 +152,16 @@ class OPDObjective(Objective):
         self.data_description = {**split.describe(), "teacher": cfg.teacher, "student": cfg.student}
 
     def _rollout_config(self, model, log):
-        from selfspec.training.gamma import calibrated_gamma
+        from selfspec.training.gamma import calibrated_costs, load_costs
 
-        cfg, gamma = self.cfg, self.cfg.gamma
-        if cfg.rollout == "hbsjd" and gamma is None:
-            gamma = calibrated_gamma(model, cfg.batch_size, cfg.window, guided=cfg.cfg_scale != 1.0)[0]
-            log(f"hybrid execution: gamma = {gamma} (measured at batch {cfg.batch_size}, window {cfg.window})")
-        return rollout_config(cfg, cfg.rollout, gamma)
+        cfg, costs = self.cfg, None
+        if cfg.rollout == "hbsjd":
+            if cfg.compaction_costs:
+                costs = load_costs(cfg.compaction_costs)
+            else:
+                costs = calibrated_costs(model, cfg.batch_size, cfg.window, guided=cfg.cfg_scale != 1.0)
+                log(f"hybrid execution: compaction costs measured at batch {cfg.batch_size}, window {cfg.window}")
+        return rollout_config(cfg, cfg.rollout, costs)
 
     def stage(self, step: int, planned_steps: int, state: dict) -> dict:
         if self.rollout_seconds is None:  # first step of this process (a resumed run continues the sum)
@@ -275,7 +284,8 @@ class OPDObjective(Objective):
                 "rollout_seconds": round(max(state.get("rollout_seconds", 0.0), self.rollout_seconds or 0.0), 2),
                 "train_seconds": round(state["elapsed_s"], 1),
                 "total_seconds": round(train_seconds, 1) if train_seconds else None,
-                "gamma": self.rollout_config.gamma, "parameters": sum(p.numel() for p in model.parameters())}
+                "compaction_costs": _costs_json(self.rollout_config.costs),
+                "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def train_opd(cfg: OPDConfig) -> dict:

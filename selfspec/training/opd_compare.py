@@ -38,8 +38,9 @@ def _checkpoint_model(checkpoint: Path, like: torch.nn.Module) -> torch.nn.Modul
     return model.eval()
 
 
-def stage_speedups(run_dir: Path, base, gamma: int, repeats: int = 3) -> list[dict]:
-    """HB-SJD vs cached AR rollout CPU time on each saved checkpoint of a run (`base`: its OPDConfig)."""
+def stage_speedups(run_dir: Path, base, costs, repeats: int = 3) -> list[dict]:
+    """HB-SJD vs cached AR rollout CPU time on each saved checkpoint of a run (`base`: its OPDConfig;
+    `costs`: the Hybrid execution's `hbsjd.CompactionCosts`)."""
     from selfspec.engines.rollout import ImageRolloutEngine
     from selfspec.training.image_model import load_image_model, prefix_codes
     from selfspec.training.opd import rollout_config
@@ -53,7 +54,7 @@ def stage_speedups(run_dir: Path, base, gamma: int, repeats: int = 3) -> list[di
         engine = ImageRolloutEngine(model, im.layout)
         times, codes = {}, {}
         for name in ("ar", "hbsjd"):
-            cfg = rollout_config(base, name, gamma)
+            cfg = rollout_config(base, name, costs)
             cpu = []
             for _ in range(repeats):
                 start = time.process_time()
@@ -81,7 +82,7 @@ def _max_weight_difference(a: Path, b: Path) -> float:
 def compare(base, out: Path) -> dict:
     """Both runs, then the report. Times: `rollout_s` the student's rollouts; `loop_s` the training
     loop without the periodic evaluations (rollouts + distillation steps); `end_to_end_s` the
-    whole command (loading, gamma calibration, evaluations, export). The predicted loop speedup is
+    whole command (loading, cost calibration, evaluations, export). The predicted loop speedup is
     Amdahl's from the AR loop's rollout share and the measured rollout speedup."""
     from selfspec.training.opd import train_opd
 
@@ -89,7 +90,7 @@ def compare(base, out: Path) -> dict:
         if any((out / backend / "checkpoints").glob("step-*")):
             raise UsageError(f"{out / backend} already holds a run (its checkpoints would mix into the stage "
                              "check); pass a new --out directory")
-    runs, noise = {}, None
+    runs, noise, costs = {}, None, {}
     for backend in ("ar", "hbsjd"):
         run_dir = out / backend
         cfg = replace(base, rollout=backend, out=str(run_dir / "model"), checkpoint_dir=str(run_dir / "checkpoints"),
@@ -98,6 +99,7 @@ def compare(base, out: Path) -> dict:
         result = train_opd(cfg)
         end_to_end = time.time() - started
         state, objective = result["state"], result["objective"]
+        costs[backend] = objective.rollout_config.costs
         history = state["history"]
         # The loop's clock counts the periodic evaluations, not the one before training (a fresh run's first).
         periodic = sum(objective.eval_durations[1:])
@@ -106,7 +108,6 @@ def compare(base, out: Path) -> dict:
         runs[backend] = {"rollout_s": round(rollout_s, 3),
                          "loop_s": round(state["elapsed_s"] - periodic, 3),
                          "eval_s": round(sum(objective.eval_durations), 1), "end_to_end_s": round(end_to_end, 1),
-                         "gamma": objective.rollout_config.gamma,
                          "before": state.get("base_eval"), "after": history[-1]["heldout"] if history else None,
                          "steps": state["step"]}
         if noise is None:  # the sampling noise of the metrics: the untrained student under a second seed
@@ -121,7 +122,7 @@ def compare(base, out: Path) -> dict:
               "rollout_share_ar": round(ar["rollout_s"] / max(ar["loop_s"], 1e-9), 3),
               "metric_noise": noise,
               "max_weight_difference": _max_weight_difference(out / "ar" / "model", out / "hbsjd" / "model"),
-              "stages": stage_speedups(out / "hbsjd", base, hb["gamma"] or 0)}
+              "stages": stage_speedups(out / "hbsjd", base, costs["hbsjd"])}
     share, s = report["rollout_share_ar"], report["rollout_speedup"]
     report["loop_speedup_predicted"] = round(1 / (1 - share + share / s), 3) if s > 0 else None
     out.mkdir(parents=True, exist_ok=True)
