@@ -49,7 +49,7 @@ from selfspec.decoding import watermark
 from selfspec.decoding.logits_rules import apply_logits_rules
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.decoding.sampling import SamplingParams
-from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, collate
+from selfspec.decoding.step import DecodeSequence, StepBatch, StepContext, StepLayout, collate
 from selfspec.engines.kernel_choice import ragged_verify_enabled, verify_ops
 from selfspec.kernels.lora_gate import gated
 from selfspec.sglang_ext import config as cfgmod
@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 
 _TOP_K_ALL = 1 << 30
 _DEBUG_TIMING = os.environ.get("SELFSPEC_DEBUG_TIMING") == "1"
+#: the per-step line `SELFSPEC_DEBUG_TIMING=1` logs (`bench/step_costs.py` reads it)
+STEP_TIMING_LOG = ("[selfspec] step bs=%d width %d tokens %d emitted %d plan %.2f ms forward %.2f ms finish %.2f ms "
+                   "between %.2f ms")
 #: Use the GPU backends' full mask layout on CPU too (exercises that layout in the CPU tests).
 _FORCE_FULL_MASK = os.environ.get("SELFSPEC_FULL_MASK") == "1"
 
@@ -171,6 +174,17 @@ def build_custom_mask(local: torch.Tensor, seq_lens: list[int], full: bool) -> t
     parts = [torch.cat([torch.ones(W, int(L), dtype=torch.bool, device=local.device), local[r]], dim=1).flatten()
              for r, L in enumerate(seq_lens)]
     return torch.cat(parts)
+
+
+@dataclass
+class _StepPlan:
+    """A decode step as planned: the collated layouts, the forward width W, each request's real
+    query tokens and the KV slots of its window."""
+
+    step: StepBatch
+    width: int
+    real_widths: list[int]
+    out_cache_loc: torch.Tensor  # [bs * W]
 
 
 class SelfSpecWorker(BaseSpecWorker):
@@ -319,68 +333,92 @@ class SelfSpecWorker(BaseSpecWorker):
         return st
 
     def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        """One decode step: the mode plans each request's layout, one forward runs them all,
+        the logits rules and the mode decide what each request emits, the kept KV moves into
+        place and the scheduler gets the emitted runs."""
         t0 = time.perf_counter()
-        reqs = batch.reqs
-        bs = len(reqs)
-        dev = self.device
-        states = [self._state_for(r) for r in reqs]
+        states = [self._state_for(r) for r in batch.reqs]
         seqs = [st.seq for st in states]
         self._report_period(t0)
+        plan = self._plan_step(batch, seqs)
+        t1 = time.perf_counter()
+        result = self._forward_step(batch, plan)
+        logits = apply_logits_rules(result.logits_output.next_token_logits.view(len(seqs), plan.width, -1), seqs,
+                                    plan.step)
+        logits = _custom_processors(batch, logits.reshape(-1, logits.shape[-1]), plan.width).view(logits.shape)
+        t2 = time.perf_counter()
+        ctx = self._context(states, self.mode.seeds_per_step, self.mode.step_seed_columns)
+        outcomes = watermark.finish_step(self.mode, seqs, plan.step, logits, ctx)  # logprobs: the logits before forcing
+        if batch.return_logprob:
+            write_decode_logprobs(batch, result.logits_output, logits, outcomes, self.width)
+        accept_lens, next_token_ids = self._commit_step(states, outcomes, plan)
+        new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
+        batch.forward_mode = ForwardMode.DECODE
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        t3 = time.perf_counter()
+        self._record_step(plan, outcomes, (t0, t1, t2, t3))
+        out = _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, self.width)
+        self._last_end = time.perf_counter()
+        return out
 
+    def _plan_step(self, batch: ScheduleBatch, seqs: list[DecodeSequence]) -> _StepPlan:
+        """The mode's layouts, padded to the step's forward width W and collated; the batch's
+        input ids and the KV slots `[seq_len, seq_len + W)` SGLang reserved for each request."""
         layouts = self.mode.layouts(seqs)
-        real_widths = [len(lay) for lay in layouts]
         # The forward's width: SGLang reserved self.width KV slots per request; a planned mode
         # runs narrower steps in the first W of them. CUDA graphs were captured at one width, so
         # GPU steps keep it (padding).
         W = self.width if self._fixed_forward_width else min(self.width, self.mode.step_width)
-        step = collate([pad_layout(lay, W, self.pad_token) for lay in layouts], self.pad_token, device=dev)
-
+        step = collate([pad_layout(lay, W, self.pad_token) for lay in layouts], self.pad_token, device=self.device)
         seq_lens = batch.seq_lens
-        seq_lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else seq_lens.cpu()
-        window = seq_lens.to(torch.int64).unsqueeze(1) + torch.arange(W, device=dev)
+        window = seq_lens.to(torch.int64).unsqueeze(1) + torch.arange(W, device=self.device)
         out_cache_loc = batch.req_to_token_pool.req_to_token[
             batch.req_pool_indices.to(torch.int64).unsqueeze(1), window].to(torch.int64).flatten()
-
         batch.input_ids = step.tokens.flatten()
         batch.out_cache_loc = out_cache_loc
-        t1 = time.perf_counter()
+        return _StepPlan(step, W, [len(lay) for lay in layouts], out_cache_loc)
+
+    def _forward_step(self, batch: ScheduleBatch, plan: _StepPlan):
+        """The step's forward: a one-token step as SGLang's decode forward where that is the
+        faster path, otherwise one TARGET_VERIFY forward (ragged on a CPU: only the real
+        tokens), the gated LoRA switched per token; logits come back [bs * W, V]."""
+        seq_lens = batch.seq_lens
+        seq_lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else seq_lens.cpu()
+        step, W, dev = plan.step, plan.width, self.device
         if W == 1:
             self.stats.ar_steps += 1
         if W == 1 and step.gate is None and self._ar_as_decode:
-            result = self._plain_decode_forward(batch, seq_lens, seq_lens_cpu)
             self.stats.ar_steps_as_decode += 1
-        else:
-            positions = (seq_lens.to(torch.int64).unsqueeze(1) + step.offsets).flatten()
-            custom_mask = self._custom_mask(step.local, seq_lens_cpu.tolist())
-            gate = step.gate.flatten() if step.gate is not None else None
-            ragged = RaggedVerify.of(real_widths, W, dev) if self._ragged_verify else None
-            if ragged is not None:  # only the real tokens: the model's cost is per token on CPU
-                batch.input_ids, batch.out_cache_loc = ragged.take(batch.input_ids), ragged.take(out_cache_loc)
-                positions = ragged.take(positions)
-                gate = ragged.take(gate) if gate is not None else None
-            batch.forward_mode = ForwardMode.TARGET_VERIFY
-            batch.spec_info = NgramVerifyInput(
-                draft_token=batch.input_ids, custom_mask=custom_mask, positions=positions,
-                retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None, draft_token_num=W,
-            )
-            batch.spec_info.selfspec_ragged = ragged  # read by sglang_ext.attention
-            with gated(self.gate, gate):
-                result = self._target_worker.forward_batch_generation(batch, is_verify=True)
-            if ragged is not None:
-                result.logits_output.next_token_logits = ragged.pad(result.logits_output.next_token_logits,
-                                                                     self._padded_logits)
-        logits = apply_logits_rules(result.logits_output.next_token_logits.view(bs, W, -1), seqs, step)
-        logits = _custom_processors(batch, logits.reshape(bs * W, -1), W).view(bs, W, -1)
-        t2 = time.perf_counter()
+            return self._plain_decode_forward(batch, seq_lens, seq_lens_cpu)
+        positions = (seq_lens.to(torch.int64).unsqueeze(1) + step.offsets).flatten()
+        custom_mask = self._custom_mask(step.local, seq_lens_cpu.tolist())
+        gate = step.gate.flatten() if step.gate is not None else None
+        ragged = RaggedVerify.of(plan.real_widths, W, dev) if self._ragged_verify else None
+        if ragged is not None:  # only the real tokens: the model's cost is per token on CPU
+            batch.input_ids, batch.out_cache_loc = ragged.take(batch.input_ids), ragged.take(plan.out_cache_loc)
+            positions = ragged.take(positions)
+            gate = ragged.take(gate) if gate is not None else None
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.spec_info = NgramVerifyInput(
+            draft_token=batch.input_ids, custom_mask=custom_mask, positions=positions,
+            retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None, draft_token_num=W,
+        )
+        batch.spec_info.selfspec_ragged = ragged  # read by sglang_ext.attention
+        with gated(self.gate, gate):
+            result = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        if ragged is not None:
+            result.logits_output.next_token_logits = ragged.pad(result.logits_output.next_token_logits,
+                                                                 self._padded_logits)
+        return result
 
-        ctx = self._context(states, self.mode.seeds_per_step, self.mode.step_seed_columns)
-        outcomes = watermark.finish_step(self.mode, seqs, step, logits, ctx)  # logprobs: the logits before forcing
-        if batch.return_logprob:
-            write_decode_logprobs(batch, result.logits_output, logits, outcomes, self.width)
-
-        accept_lens_list = []
-        emitted_rows = []  # [bs, self.width]: the scheduler reads this stride
-        src, tgt = [], []
+    def _commit_step(self, states: list["RequestState"], outcomes: list, plan: _StepPlan
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's emitted run joins its history and metrics; kept KV moves to the front
+        of its window. Returns (accept_lens [bs], next_token_ids [bs * self.width]: the emitted
+        runs, zero-padded to the stride the scheduler reads)."""
+        W = plan.width
+        accept_lens, emitted_rows, src, tgt = [], [], [], []
         for r, (st, out) in enumerate(zip(states, outcomes)):
             n = len(out.emit)
             if n < 1 or len(out.keep) != n:
@@ -390,30 +428,27 @@ class SelfSpecWorker(BaseSpecWorker):
                 if k != j:
                     src.append(r * W + k)
                     tgt.append(r * W + j)
-            accept_lens_list.append(n)
+            accept_lens.append(n)
             st.seq.history.extend(int(t) for t in out.emit)
-            st.metrics.record_step(real_widths[r], n)
+            st.metrics.record_step(plan.real_widths[r], n)
+        dev = self.device
         if src:
-            self._move_kv(out_cache_loc[torch.tensor(tgt, device=dev)], out_cache_loc[torch.tensor(src, device=dev)])
+            loc = plan.out_cache_loc
+            self._move_kv(loc[torch.tensor(tgt, device=dev)], loc[torch.tensor(src, device=dev)])
+        return (torch.tensor(accept_lens, dtype=torch.int32, device=dev),
+                torch.tensor(emitted_rows, dtype=torch.int64).to(dev).flatten())
 
-        accept_lens = torch.tensor(accept_lens_list, dtype=torch.int32, device=dev)
-        new_seq_lens = seq_lens + accept_lens.to(seq_lens.dtype)
-        next_token_ids = torch.tensor(emitted_rows, dtype=torch.int64).to(dev).flatten()
-        batch.forward_mode = ForwardMode.DECODE
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-        t3 = time.perf_counter()
+    def _record_step(self, plan: _StepPlan, outcomes: list, times: tuple[float, float, float, float]) -> None:
+        """The step's statistics, its period for the run-time check, the finished requests."""
+        t0, t1, t2, t3 = times
+        bs, emitted = len(outcomes), sum(len(o.emit) for o in outcomes)
         if _DEBUG_TIMING:  # between: the scheduler's time since the last step returned
             between = (t0 - self._last_end) * 1e3 if self._last_end else float("nan")
-            logger.info("[selfspec] step bs=%d width %d tokens %d plan %.2f ms forward %.2f ms finish %.2f ms "
-                        "between %.2f ms", bs, W, sum(real_widths), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
-                        between)
-        self.stats.step(bs, sum(accept_lens_list), sum(real_widths), t3 - t0, W, step_kind(self.mode))
+            logger.info(STEP_TIMING_LOG, bs, plan.width, sum(plan.real_widths), emitted, (t1 - t0) * 1e3,
+                        (t2 - t1) * 1e3, (t3 - t2) * 1e3, between)
+        self.stats.step(bs, emitted, sum(plan.real_widths), t3 - t0, plan.width, step_kind(self.mode))
         self._last_step = (t0, outcomes)
         self.collect_finished()
-        out = _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, self.width)
-        self._last_end = time.perf_counter()
-        return out
 
     # ------------------------------------------------------------------ helpers
     def _report_period(self, now: float) -> None:
