@@ -80,9 +80,6 @@ def format_table(report: dict) -> str:
 
     head = ["mode", "C", "tok/s", "xAR", "TPOT p50", "TPOT p99", "TPF", "genai tok/s", "loops", "req tok/s",
             "NL req tok/s", "NL xAR", "NL TPF"]
-    with_pred = any("predicted_tok_s" in lv for r in report["results"] for lv in r.get("levels", []))
-    if with_pred:
-        head += ["pred tok/s", "pred err", "step err", "pred xAR", "xAR err"]
     rows, tails = [head], [""]
     for r in report["results"]:
         if r["status"] != "ok":
@@ -98,21 +95,13 @@ def format_table(report: dict) -> str:
                 num((lv.get("genai_bench") or {}).get("output_tok_s"), ".1f"),
                 "-" if loops is None else f"{loops}/{lv['requests']}", num(lv.get("per_request_tok_s"), ".1f"),
                 num(nl.get("tokens_per_s"), ".1f"), num(nl.get("ratio_vs_ar"), ".2f"), num(nl.get("tpf"), ".2f"),
-            ] + ([num(lv.get("predicted_tok_s"), ".1f"), num(lv.get("prediction_error"), "+.0%"),
-                  num(lv.get("step_error"), "+.0%"), num(lv.get("predicted_speedup"), ".2f"),
-                  num(lv.get("speedup_error"), "+.0%")] if with_pred else []))
+            ])
             tails.append("".join(f"  [{n.split(':')[0]}]" for n in r.get("notes") or []))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [" ".join(row[0].ljust(widths[0]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
              .rstrip() + tail for row, tail in zip(rows, tails)]
     lines.append("NL: requests whose output does not end in a repetition loop (per mode); req tok/s: tokens over "
                  "the sum of the requests' latencies; NL xAR: NL req tok/s over AR's at the same C")
-    if with_pred:
-        lines.append("pred: the tuner's predicted tok/s of the level (replayed from per-prompt acceptance where the "
-                     "tune kept it, else a steady batch of min(C, requests)); pred err: predicted / measured - 1; "
-                     "step err: measured step (TPOT p50 x tokens per step served) / predicted step - 1, the cost model alone; pred xAR: predicted "
-                     "over AR's predicted, xAR err: that over the measured xAR - 1 (the machine's drift since the "
-                     "tune cancels)")
     for r in report["results"]:
         for note in r.get("notes") or []:
             lines.append(f"note ({r['mode']}): {note}")
