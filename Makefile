@@ -51,7 +51,7 @@ results: setup
 	  --mode-args "lk12s=$(FW)/lookup12x1a-sampled.yaml" --mode-args "lk4s=$(FW)/lookup4-sampled.yaml" \
 	  --json $(R)/policy/tune-t07-lookup.json
 # policy/: selfspec's context candidates vs SGLang's NGRAM drafter, replayed without forwards (about a minute)
-	$(PY) bench/context_lookup.py --json $(R)/policy/lookup-vs-ngram-drafter.json
+	$(PY) bench/context_lookup.py --prompts tune,eval,humaneval --tokens 12 --json $(R)/policy/lookup-vs-ngram-drafter.json
 # defaults/: every mode at its defaults vs stock AR and NGRAM, 3 runs per set (about 4 h)
 	bash bench/defaults_vs_ngram.sh $(R)/defaults 3
 # serve-tiny-jf.json: tiny-jf served by stock SGLang, AR / NGRAM / JACOBI (about 10 min)

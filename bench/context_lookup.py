@@ -170,10 +170,36 @@ def replay(drafter, data: list[tuple[list[int], list[int]]], levels: list[int], 
     return results
 
 
+def replay_set(name: str, data: list, levels: list[int], sizes: list[int], lengths: list[int], costs,
+               costs_path: str | None) -> dict:
+    """Every drafter replayed on one prompt set's AR outputs; prints its table, returns {drafter: rows}."""
+    out: dict = {}
+    print(f"\n{name}\n{'drafter':>14} " + " ".join(f"{'C=' + str(c):>20}" for c in levels)
+          + "   (tokens/step: all / non-looping [query tokens/step])")
+    drafters = [NgramDrafter()] + [SelfspecDrafter(k, capped, adaptive) for k in lengths
+                                   for capped, adaptive in ((False, False), (True, False), (True, True))]
+    priced: list[str] = []
+    for drafter in drafters:
+        res = replay(drafter, data, levels, sizes)
+        out[drafter.name] = [r.__dict__ for r in res]
+        print(f"{drafter.name:>14} " + " ".join(f"{r.tokens_per_step:>6.2f} /{r.non_loop_tokens_per_step:>5.2f} "
+                                               f"[{r.query_tokens_per_step:>4.1f}]" for r in res))
+        if costs is not None:  # NGRAM's tree is priced as its 12 query tokens, like a chain
+            rates = [1e3 * r.concurrency * r.tokens_per_step / costs.time_ms(r.concurrency, r.query_tokens_per_step)
+                     for r in res]
+            out[drafter.name + " forward tok/s"] = [round(x) for x in rates]
+            priced.append(f"{drafter.name:>14} " + " ".join(f"{x:>20.0f}" for x in rates))
+    if priced:
+        print(f"\nforward-only tok/s by {costs_path}'s cost table (C x tokens/step / forward ms):")
+        print("\n".join(priced))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-idlm", help="an embedded model name or a model dir (default %(default)s)")
-    p.add_argument("--prompts", default="tune", help="a prompt set (tune, eval, humaneval) or JSON lines {\"prompt\": ...}")
+    p.add_argument("--prompts", default="tune", help="prompt sets, comma-separated (tune, eval, humaneval) or JSON "
+                                                      "lines files {\"prompt\": ...} (default %(default)s)")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per level, as bench serve (default 32)")
     p.add_argument("--concurrency", default="1,4,16,32", help="levels, as bench serve (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="AR output tokens per request (default 128)")
@@ -188,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency and --tokens take comma-separated integers, e.g. 1,4,16")
     from selfspec.prompt_sets import SET_NAMES
 
-    if args.prompts not in SET_NAMES and not Path(args.prompts).is_file():
-        p.error(f"--prompts {args.prompts}: no such file (or a set: {', '.join(SET_NAMES)})")
+    sets = args.prompts.split(",")
+    for name in sets:
+        if name not in SET_NAMES and not Path(name).is_file():
+            p.error(f"--prompts {name}: no such file (or a set: {', '.join(SET_NAMES)})")
     costs = None
     if args.costs:
         from selfspec.tuning.cost import CostTable
@@ -209,31 +237,14 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = level_sizes(levels, args.num_prompts)
     engine = HFEngine.from_pretrained(args.model, dtype=torch.float32)
-    _, prompts = load_prompts(args.prompts, engine.tokenizer, sum(sizes))
-    print(f"[context_lookup] greedy AR outputs of {len(prompts)} prompts x {args.max_tokens} tokens", file=sys.stderr)
-    outs = engine.generate(prompts, args.max_tokens, SamplingParams(), stop_token_ids=[], batch_size=32)
-    data = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outs)]
-
-    report = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens, "levels": levels,
-              "level_sizes": sizes, "drafters": {}}
-    print(f"{'drafter':>14} " + " ".join(f"{'C=' + str(c):>20}" for c in levels)
-          + "   (tokens/step: all / non-looping [query tokens/step])")
-    drafters = [NgramDrafter()] + [SelfspecDrafter(k, capped, adaptive) for k in lengths
-                                   for capped, adaptive in ((False, False), (True, False), (True, True))]
-    priced: list[str] = []
-    for drafter in drafters:
-        res = replay(drafter, data, levels, sizes)
-        report["drafters"][drafter.name] = [r.__dict__ for r in res]
-        print(f"{drafter.name:>14} " + " ".join(f"{r.tokens_per_step:>6.2f} /{r.non_loop_tokens_per_step:>5.2f} "
-                                               f"[{r.query_tokens_per_step:>4.1f}]" for r in res))
-        if costs is not None:  # NGRAM's tree is priced as its 12 query tokens, like a chain
-            rates = [1e3 * r.concurrency * r.tokens_per_step / costs.time_ms(r.concurrency, r.query_tokens_per_step)
-                     for r in res]
-            report["drafters"][drafter.name + " forward tok/s"] = [round(x) for x in rates]
-            priced.append(f"{drafter.name:>14} " + " ".join(f"{x:>20.0f}" for x in rates))
-    if priced:
-        print(f"\nforward-only tok/s by {args.costs}'s cost table (C x tokens/step / forward ms):")
-        print("\n".join(priced))
+    report = {"model": args.model, "max_tokens": args.max_tokens, "levels": levels, "level_sizes": sizes, "sets": {}}
+    for name in sets:
+        _, prompts = load_prompts(name, engine.tokenizer, sum(sizes))
+        print(f"[context_lookup] {name}: greedy AR outputs of {len(prompts)} prompts x {args.max_tokens} tokens",
+              file=sys.stderr)
+        outs = engine.generate(prompts, args.max_tokens, SamplingParams(), stop_token_ids=[], batch_size=32)
+        data = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outs)]
+        report["sets"][name] = replay_set(name, data, levels, sizes, lengths, costs, args.costs)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")
