@@ -279,3 +279,25 @@ def _bench_script(name: str):
     spec.loader.exec_module(module)
     return module
 
+
+
+def test_step_costs_reads_the_workers_step_timing_lines():
+    """bench/step_costs.py parses what the worker logs under SELFSPEC_DEBUG_TIMING=1."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from selfspec.sglang_ext.worker import STEP_TIMING_LOG
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "step_costs.py"
+    spec = importlib.util.spec_from_file_location("step_costs", path)
+    sc = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = sc
+    spec.loader.exec_module(sc)
+    log = "\n".join("INFO " + STEP_TIMING_LOG % args for args in [
+        (2, 3, 6, 3, 0.1, 8.0, 1.0, float("nan")), (2, 3, 6, 5, 0.2, 9.0, 1.2, 1.1), (1, 1, 1, 1, 0.1, 6.0, 0.3, 1.0)])
+    steps = sc.parse_steps(log)
+    assert sorted(steps) == [1, 2] and len(steps[2]) == 2
+    row = sc.summarize(steps[2], 2)
+    assert row["forward"] == 9.0 and row["period"] == pytest.approx(0.2 + 9.0 + 1.2 + 1.1)  # the first has no gap
+    assert row["tokens_per_request_step"] == 2.0 and row["query_tokens_per_request"] == 3.0
