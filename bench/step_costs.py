@@ -5,9 +5,10 @@ Serves stock AR and, on the selfspec worker, its plain AR steps, ISD's own steps
 one server at a time (`selfspec bench serve`), with the worker's per-step timing switched on
 (`SELFSPEC_DEBUG_TIMING=1`: plan / forward / finish / scheduler time between steps, and the
 tokens each step emitted). Per level C it keeps the steps that ran at batch C and reports their
-medians; stock AR, which has no worker, is timed by its TPOT p50 (at TPF 1 the period of a
-decode step). The step period over stock AR's, beside the tokens per request-step, says which
-factor a speed-up is short of: a step kind pays when tokens per step > its period / AR's.
+medians. Every server, stock AR included (it has no worker), is also timed by its effective
+period, C x TPF / output tok/s: the time per step its clients saw, prefills and HTTP included.
+The step period over stock AR's, beside the tokens per request-step, says which factor a
+speed-up is short of: a step kind pays when its tokens per step exceed its period / AR's.
 
     python bench/step_costs.py [--temperature 0.7] [--prompts humaneval] [--json out.json]
 
@@ -89,25 +90,31 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run(cmd, check=True, env={**os.environ, "SELFSPEC_DEBUG_TIMING": "1"})
 
     serve = json.loads((work / "serve.json").read_text())
-    ar_levels = next(r for r in serve["results"] if r.get("label", r["mode"]) == "ar")["levels"]
-    ar_ms = {lv["concurrency"]: lv["tpot_ms_p50"] for lv in ar_levels}
     report = {"model": args.model, "prompts": args.prompts, "temperature": args.temperature, "levels": levels,
-              "stock_ar_tpot_ms_p50": ar_ms, "kinds": {}}
-    for k in kinds:
-        logs = sorted(work.glob(f"server-{k}*.log"))
-        steps = parse_steps("".join(f.read_text(errors="replace") for f in logs))
-        report["kinds"][k] = {c: summarize(steps[c], c) | {"period_vs_stock_ar": round(
-            summarize(steps[c], c)["period"] / ar_ms[c], 3)} for c in levels if steps.get(c)}
+              "kinds": {}}
+    ar_ms: dict[int, float] = {}
+    for r in serve["results"]:
+        label = r.get("label", r["mode"])
+        eff = {lv["concurrency"]: 1e3 * lv["concurrency"] * lv["tpf"] / lv["output_tok_s"] for lv in r["levels"]}
+        if label == "ar":
+            ar_ms = eff
+            report["stock_ar"] = {c: {"effective_period": round(ms, 3)} for c, ms in eff.items()}
+            continue
+        steps = parse_steps("".join(f.read_text(errors="replace") for f in sorted(work.glob(f"server-{label}*.log"))))
+        report["kinds"][label] = {c: summarize(steps[c], c) | {
+            "effective_period": round(eff[c], 3), "effective_vs_stock_ar": round(eff[c] / ar_ms[c], 3),
+            "speedup_vs_stock_ar": round(ar_ms[c] * lv_tpf / eff[c], 3)}
+            for c, lv_tpf in ((lv["concurrency"], lv["tpf"]) for lv in r["levels"]) if steps.get(c)}
 
-    print(f"\nstep period ms (x stock AR's TPOT p50) [tokens per request-step], {args.prompts}, "
+    print(f"\neffective step period ms (x stock AR's) [tokens per request-step], {args.prompts}, "
           f"T={args.temperature}")
     print(f"{'':>10} " + " ".join(f"{'C=' + str(c):>24}" for c in levels))
     print(f"{'stock AR':>10} " + " ".join(f"{ar_ms[c]:>8.2f} (1.00) [1.00]".rjust(24) for c in levels))
     for k, rows in report["kinds"].items():
-        cells = [f"{rows[c]['period']:>8.2f} ({rows[c]['period_vs_stock_ar']:.2f}) "
+        cells = [f"{rows[c]['effective_period']:>8.2f} ({rows[c]['effective_vs_stock_ar']:.2f}) "
                  f"[{rows[c]['tokens_per_request_step']:.2f}]" if c in rows else "-" for c in levels]
         print(f"{k:>10} " + " ".join(x.rjust(24) for x in cells))
-    print("parts (plan / forward / finish / between ms) at each level:")
+    print("worker's step at batch C, medians (plan / forward / finish / between ms):")
     for k, rows in report["kinds"].items():
         print(f"{k:>10} " + " ".join(" / ".join(f"{rows[c][p]:.2f}" for p in PARTS).rjust(24) if c in rows else "-"
                                      for c in levels))
