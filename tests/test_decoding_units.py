@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from selfspec.decoding.argmax import first_argmax
 from selfspec.decoding.jacobi import Block, JacobiConfig, JacobiState, build_layout, pseudo_verify, update_blocks
 from selfspec.decoding.metadata import MetadataError, SelfspecMetadata, load_metadata, resolve_mask_token_id, write_metadata
 from selfspec.decoding.metrics import SequenceMetrics, aggregate
@@ -367,6 +368,57 @@ def test_race_argmax_draws_the_gumbel_max_winner():
     want = (weights.log() + rng.gumbel(seeds, torch.arange(1, 65).unsqueeze(0))).argmax(-1)
     assert torch.equal(got, want)
     assert bool((weights.gather(1, got.unsqueeze(1)) > 0).all())
+
+
+@pytest.mark.parametrize("path", ["cpu", "torch"])
+def test_tensor_hash_and_uniform_are_hash_int(monkeypatch, path):
+    """The [B, V] hash (numpy uint32 on the CPU, int32 tensors elsewhere: "torch" runs that one
+    here) gives `hash_int`'s bits for seeds and offsets over the whole int64 range (>= 2^31,
+    negative), and uniform is (hash >> 9 + 0.5) / 2^23 of them."""
+    from selfspec.decoding import rng
+
+    if path == "torch":
+        monkeypatch.setattr(rng, "_on_cpu", lambda *tensors: False)
+    g = torch.Generator().manual_seed(11)
+    seed = torch.cat([torch.randint(0, 1 << 31, (20, 1), generator=g), torch.randint(-(1 << 62), 1 << 62, (20, 1), generator=g),
+                      torch.tensor([[0], [(1 << 31) - 1], [1 << 31], [(1 << 32) - 1], [-1]])])
+    offset = torch.cat([torch.arange(1, 65), torch.randint(-(1 << 62), 1 << 62, (60,), generator=g),
+                        torch.tensor([(1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, -1, -(1 << 31)])])
+    want = [[rng.hash_int(s, o) for o in offset.tolist()] for s in seed.squeeze(1).tolist()]
+    for s, o in ((seed, offset), (seed.int(), offset.int()), (seed.T.contiguous().T, offset.unsqueeze(0))):
+        assert rng.hash_u32(s, o).tolist() == want
+    u = rng.uniform(seed, offset)
+    assert u.dtype == torch.float32
+    assert u.tolist() == [[((h >> 9) + 0.5) / (1 << 23) for h in row] for row in want]
+    assert torch.equal(rng.uniform(seed[3, 0], offset[5]), u[3, 5])  # 0-d
+
+
+@pytest.mark.parametrize("path", ["cpu", "torch"])
+def test_race_argmax_is_first_argmax_of_the_race_formula(monkeypatch, path):
+    """race_argmax == first_argmax(w / -log(uniform(seed, v + 1))) bit for bit, on weights with
+    ties and zeros (float32 and float64, [B, V] and [V]); the uniforms checked against `hash_int`."""
+    from selfspec.decoding import rng
+
+    if path == "torch":
+        monkeypatch.setattr(rng, "_on_cpu", lambda *tensors: False)
+    g = torch.Generator().manual_seed(12)
+    for trial in range(40):
+        bsz, vocab = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 3000, (1,), generator=g))
+        weights = torch.softmax(torch.randn(bsz, vocab, generator=g) * float(torch.rand((), generator=g) * 10), -1)
+        weights[:, torch.rand(vocab, generator=g) < 0.3] = 0.0
+        if trial % 4 == 1:  # many exact ties
+            weights = torch.randint(0, 3, (bsz, vocab), generator=g).float()
+        if trial % 4 == 2:
+            weights[0] = 0.0  # an all-zero row
+        if trial % 5 == 3:
+            weights = weights.double()
+        seed = rng.draw_seeds((bsz, 1), g)
+        u = rng.uniform(seed, torch.arange(1, vocab + 1))
+        row, col = int(torch.randint(0, bsz, (1,), generator=g)), int(torch.randint(0, vocab, (1,), generator=g))
+        assert float(u[row, col]) == ((rng.hash_int(int(seed[row]), col + 1) >> 9) + 0.5) / (1 << 23)
+        want = first_argmax(weights / -torch.log(u))
+        assert torch.equal(rng.race_argmax(weights, seed), want), trial
+        assert torch.equal(rng.race_argmax(weights[row], seed[row]), want[row]), trial
 
 
 def test_first_argmax_is_torch_argmax_with_its_tie_rule():
