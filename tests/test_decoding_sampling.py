@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from selfspec.decoding.argmax import first_argmax
 from selfspec.decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
 from selfspec.decoding.verify import speculative_verify_reference as speculative_verify
 from selfspec.engines.hf import HFEngine
@@ -83,6 +84,73 @@ def test_verify_rule_matches_its_analytical_distribution(tau, proposal):
     bonus = Counter(res.next_tokens[res.accept_len == 1].tolist())
     _, pvalue, _ = chi_square_pvalue(bonus, {i: float(p[1, i]) for i in range(vocab)})
     assert pvalue > ALPHA
+
+
+def _verify_as_written(target_logits, draft_tokens, num_drafts, seeds, temperature, top_k=0, top_p=1.0, tau=0.0,
+                       draft_probs=None, min_p=0.0):
+    """The speculative verify rule with every step spelled out (one-hot q built over V, the
+    acceptance's u * q and (1 + tau) * p always multiplied, both selections by torch.where): the
+    reference takes exact shortcuts through it and must keep its every output."""
+    from selfspec.decoding import rng
+
+    bsz, depth = draft_tokens.shape
+    tau_b = torch.as_tensor(tau, dtype=torch.float32).expand(bsz)
+    probs = logits_to_probs(target_logits, temperature, top_k, top_p, min_p)
+    p_draft = probs[:, :depth].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.float().gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    u = rng.uniform(seeds[:, :depth], torch.zeros((), dtype=torch.long))
+    valid = torch.arange(depth).unsqueeze(0) < num_drafts.unsqueeze(1)
+    accepted = (u * q_draft < (1.0 + tau_b).unsqueeze(1) * p_draft) & valid
+    accept_len = accepted.long().cumprod(-1).sum(-1)
+    rows = torch.arange(bsz)
+    p_stop = probs[rows, accept_len]
+    target = p_stop
+    if depth:  # with no drafts, no row rejects one
+        stop = accept_len.clamp(max=depth - 1)
+        if draft_probs is None:
+            q_stop = torch.zeros_like(p_stop).scatter_(1, draft_tokens.gather(1, stop.unsqueeze(1)), 1.0)
+        else:
+            q_stop = draft_probs[rows, stop].float()
+        residual = (p_stop - q_stop).clamp_min(0.0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)
+        target = torch.where((accept_len < num_drafts).unsqueeze(1), residual, p_stop)
+    offsets = torch.arange(1, target.shape[-1] + 1)
+    noise = -torch.log(rng.uniform(seeds[rows, accept_len].unsqueeze(1), offsets))
+    return accept_len, first_argmax(target / noise)
+
+
+@pytest.mark.parametrize("proposal", ["one-hot", "distribution", "equal to p"])
+def test_verify_reference_keeps_the_rule_as_written(proposal):
+    """Random batches (depth 0-4, padded rows, scalar and per-row tau, filters, near-certain
+    drafts that get accepted, drafts with q == p whose residual vanishes): the reference's
+    tokens equal the rule's written out."""
+    from selfspec.decoding import rng
+
+    gen = torch.Generator().manual_seed(len(proposal))
+    for trial in range(60):
+        bsz, depth, vocab = int(torch.randint(1, 9, (1,), generator=gen)), trial % 5, int(torch.randint(2, 300, (1,), generator=gen))
+        logits = torch.randn(bsz, depth + 1, vocab, generator=gen) * float(torch.rand((), generator=gen) * 8)
+        temperature = [0.7, 1.0, torch.rand(bsz, generator=gen) + 0.1][trial % 3]
+        filters = [(0, 1.0, 0.0), (5, 0.9, 0.0), (0, 1.0, 0.1)][trial % 3 if trial % 2 else 0]
+        tau = [0.0, 0.5, torch.rand(bsz, generator=gen), torch.zeros(())][trial % 4]
+        drafts = torch.randint(0, vocab, (bsz, depth), generator=gen)
+        if trial % 2:  # the likeliest tokens, so that many drafts pass
+            drafts = logits[:, :depth].argmax(-1)
+        num = torch.randint(0, depth + 1, (bsz,), generator=gen)
+        seeds = rng.draw_seeds((bsz, depth + 1), gen)
+        draft_probs = None
+        if proposal == "distribution":
+            draft_probs = torch.softmax(torch.randn(bsz, depth, vocab, generator=gen) * 2, -1)
+        elif proposal == "equal to p":
+            draft_probs = logits_to_probs(logits[:, :depth], temperature if not isinstance(temperature, torch.Tensor)
+                                          else temperature.unsqueeze(1), *filters)
+        args = (logits, drafts, num, seeds, temperature, *filters[:2], tau, draft_probs, filters[2])
+        res = speculative_verify(*args)
+        want_len, want_tokens = _verify_as_written(*args)
+        assert torch.equal(res.accept_len, want_len) and torch.equal(res.next_tokens, want_tokens), trial
 
 
 def test_relaxed_tv_closed_form():

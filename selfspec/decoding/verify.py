@@ -81,34 +81,35 @@ def speculative_verify_reference(
     the drafts (argmax proposals). tau = 0 reproduces AR sampling's distribution exactly.
     """
     bsz, depth = draft_tokens.shape
-    device = target_logits.device
-    tau_b = torch.as_tensor(tau, dtype=torch.float32, device=device).expand(bsz)
     probs = logits_to_probs(target_logits, temperature, top_k, top_p, min_p)  # [B, D+1, V]
     p_draft = probs[:, :depth].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, D]
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-    else:
-        q_draft = draft_probs.float().gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
-    u = rng.uniform(seeds[:, :depth], torch.zeros((), dtype=torch.long, device=device))
-    accepted = (u * q_draft < (1.0 + tau_b).unsqueeze(1) * p_draft) & _valid_drafts(num_drafts, depth)
+    # accept draft i iff u * q(x_i) < (1 + tau) * p(x_i), u = uniform(seed[b, i], 0); the rule's
+    # float32 ops, skipping only the exact no-ops: u * 1 for one-hot q, 1 * p for tau = 0
+    u = rng.uniform_at(seeds[:, :depth], 0)
+    if draft_probs is not None:
+        u = u * draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).float()
+    if isinstance(tau, torch.Tensor) or tau != 0:
+        tau_b = torch.as_tensor(tau, dtype=torch.float32, device=probs.device).expand(bsz)
+        p_draft = (1.0 + tau_b).unsqueeze(1) * p_draft
+    accepted = (u < p_draft) & _valid_drafts(num_drafts, depth)
     accept_len = _leading_true(accepted)
 
-    rows = torch.arange(bsz, device=device)
-    p_stop = probs[rows, accept_len]  # [B, V]
+    rows = torch.arange(bsz, device=probs.device)
+    target = probs[rows, accept_len]  # [B, V]: p at the stop row (a copy)
     rejected = accept_len < num_drafts
-    target = p_stop
     if depth and bool(rejected.any()):  # q at the stop row only matters where a draft was rejected
         stop = accept_len.clamp(max=depth - 1)
-        if draft_probs is None:
-            q_stop = torch.zeros_like(p_stop).scatter_(1, draft_tokens.gather(1, stop.unsqueeze(1)), 1.0)
+        if draft_probs is None:  # q one-hot at the stop row's draft x: p - q is p but at x
+            x = draft_tokens.gather(1, stop.unsqueeze(1))
+            residual = target.scatter(1, x, target.gather(1, x) - 1.0)
         else:
-            q_stop = draft_probs[rows, stop].float()
-        residual = (p_stop - q_stop).clamp_min(0.0)
+            residual = target - draft_probs[rows, stop].float()
+        residual.clamp_min_(0.0)  # max(0, p - q)
         # A residual can vanish only through rounding when p == q; then p itself is the target.
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)
-        target = torch.where(rejected.unsqueeze(1), residual, p_stop)
+        use_residual = rejected & (residual.sum(-1) > 0)
+        target = torch.where(use_residual.unsqueeze(1), residual, target)
 
-    next_tokens = rng.race_argmax(target, seeds[rows, accept_len].unsqueeze(1))
+    next_tokens = rng.race_argmax(target, seeds.gather(1, accept_len.unsqueeze(1)))
     return VerifyResult(accept_len, next_tokens)
 
 
