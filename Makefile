@@ -26,6 +26,7 @@ TUNE := $(SELFSPEC) bench serve --model tiny-idlm --prompts tune --num-prompts 3
 FW := --selfspec-config bench/fixed_widths
 
 results: setup
+	@mkdir -p runs
 # policy/: the tune-prompt runs behind the default policy's constants (docs/serving.md), about 10 min each
 	$(TUNE) --concurrency 1,2,4 --interleave 2 --modes ar,ngram,isd-s2=isd,isd-s3=isd,lookup16=isd,jacobi16=jacobi,sjd16=sjd \
 	  --mode-args "isd-s2=$(FW)/own16-isd.yaml" --mode-args "isd-s3=$(FW)/own16-isd-stride3.yaml" \
@@ -54,6 +55,14 @@ results: setup
 	$(PY) bench/context_lookup.py --prompts tune,eval,humaneval --tokens 12 --json $(R)/policy/lookup-vs-ngram-drafter.json
 # defaults/: every mode at its defaults vs stock AR and NGRAM, 3 runs per set (about 4 h)
 	bash bench/defaults_vs_ngram.sh $(R)/defaults 3
+# defaults/t07-c1-humaneval.json: T=0.7 at C=1, the default beside stock AR and the worker's AR
+# steps, 3 interleaved runs (about 15 min)
+	for i in 1 2 3; do $(SELFSPEC) bench serve --model tiny-idlm --temperature 0.7 --prompts humaneval \
+	  --concurrency 1 --num-prompts 32 --max-tokens 128 --interleave 2 --modes ar,isd,sjd,worker-ar=isd \
+	  --mode-args "worker-ar=--selfspec-policy ar" --genai-bench off --json runs/t07-c1-$$i.json; done
+	$(PY) bench/median_table.py runs/t07-c1-[123].json --save-runs $(R)/defaults/t07-c1-humaneval.json > /dev/null
+# step-costs.json: served step costs per kind of step at C = 1, 4, 16, 32, T=0.7 (about 12 min)
+	$(PY) bench/step_costs.py --json $(R)/step-costs.json
 # serve-tiny-jf.json: tiny-jf served by stock SGLang, AR / NGRAM / JACOBI (about 10 min)
 	$(SELFSPEC) bench serve --modes ar,ngram,jacobi --model tiny-jf --concurrency 1,4,16 --num-prompts 16 \
 	  --max-tokens 128 --prompts bench/prompts/heldout.jsonl --genai-bench off --json $(R)/serve-tiny-jf.json
@@ -84,10 +93,10 @@ results: setup
 	$(SELFSPEC) bench rollout --model tiny-c2i-teacher --batch 8,32 --window 8 --repeats 1 --threads 1 \
 	  --verify greedy --sweeps w --out $(R)/rollout-teacher
 # opd-compare/: on-policy distillation with AR vs HB-SJD rollouts, greedy then sampled (about 30 min
-# each; the table they print goes to the .log), and the distilled student's quality (about 5 min)
-	$(SELFSPEC) train opd-compare --out runs/opd-compare > $(R)/opd-compare/greedy.log
+# each; the table they print goes to runs/), and the distilled student's quality (about 5 min)
+	$(SELFSPEC) train opd-compare --out runs/opd-compare > runs/opd-compare.log
 	cp runs/opd-compare/compare.json $(R)/opd-compare/greedy.json
-	$(SELFSPEC) train opd-compare --out runs/opd-compare-prob --verify prob > $(R)/opd-compare/prob.log
+	$(SELFSPEC) train opd-compare --out runs/opd-compare-prob --verify prob > runs/opd-compare-prob.log
 	cp runs/opd-compare-prob/compare.json $(R)/opd-compare/prob.json
 	$(SELFSPEC) eval-images --model runs/opd-compare/hbsjd/model --num 2000 --cfg 2.0 \
 	  --out $(R)/images/opd-student-samples.png --json $(R)/images/opd-student-eval.json
