@@ -203,3 +203,30 @@ def test_take_rows_keeps_shared_fields_and_slices_rows():
     assert part["pair"][0].tolist() == [2, 3] and part["pair"][1].shape == (2, 2)
     # one process: the plain mean
     assert float(global_mean(torch.tensor(6.0), 4)) == 1.5
+
+
+def test_a_recipe_measurement_on_another_prompt_set_keeps_the_held_out_one(tmp_path):
+    """`python -m selfspec.training.jf_recipe measure M --prompts humaneval` records its numbers
+    beside the held-out measurement, never over it; the prompts are named as given."""
+    import json
+
+    from selfspec.training import recipes
+    from selfspec.training.recipes import measure_prompts, record_measurement
+
+    meta = {"mode": "jacobi", "metrics": {"measured": {"prompts": "bench/prompts/heldout.jsonl", "tpf": 2.0}}}
+    (tmp_path / "selfspec.json").write_text(json.dumps(meta))
+    (tmp_path / "provenance.json").write_text(json.dumps({"measured": {"tpf": 2.0}}))
+    record_measurement(tmp_path, {"prompts": "humaneval", "tpf": 3.0}, "humaneval")
+    written = json.loads((tmp_path / "selfspec.json").read_text())["metrics"]
+    assert written["measured"]["tpf"] == 2.0 and written["measured_by_prompts"]["humaneval"]["tpf"] == 3.0
+    prov = json.loads((tmp_path / "provenance.json").read_text())
+    assert prov["measured"]["tpf"] == 2.0 and prov["measured_by_prompts"]["humaneval"]["tpf"] == 3.0
+
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [len(text) % 7 + 1, 2]}
+
+    label, ids = measure_prompts("humaneval", Tokenizer(), 5)
+    assert label == "humaneval" and len(ids) == 5
+    label, ids = measure_prompts(recipes.HELDOUT_PROMPTS, Tokenizer(), 3)
+    assert label == "bench/prompts/heldout.jsonl" and len(ids) == 3

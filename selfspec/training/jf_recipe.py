@@ -30,7 +30,7 @@ from selfspec.models import ASSETS_DIR
 from selfspec.training import config as C
 from selfspec.training.jacobi_forcing import JFConfig, train_jf
 from selfspec.training.recipes import (
-    HELDOUT_PROMPTS, REPO, add_measure_parser, finalize_provenance, record_measurement, run_measure,
+    HELDOUT_PROMPTS, REPO, add_measure_parser, finalize_provenance, measure_prompts, record_measurement, run_measure,
 )
 
 NAME = "tiny-jf"
@@ -59,20 +59,18 @@ def _jacobi_row(engine, prompts, max_new_tokens: int, options: dict, reference: 
             "non_loop": {k: v for k, v in non_loop_summary(stats).items() if k in ("outputs", "tpf")}}
 
 
-def measure(name_or_path: str, base: str = "tiny-base", prompts_file: Path = HELDOUT_PROMPTS,
+def measure(name_or_path: str, base: str = "tiny-base", prompts_file: str | Path = HELDOUT_PROMPTS,
             max_new_tokens: int = 128, num_prompts: int = 64) -> dict:
     from selfspec.decoding.repetition import is_repetition_loop
     from selfspec.engines.hf import HFEngine
-    from selfspec.training.evaluate import heldout_ar_perplexity, load_prompts
+    from selfspec.training.evaluate import heldout_ar_perplexity
 
     started = time.time()
-    out: dict = {"prompts": str(prompts_file.relative_to(REPO) if prompts_file.is_relative_to(REPO) else prompts_file),
-                 "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "engine": "hf (fp32, CPU)",
+    out: dict = {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "engine": "hf (fp32, CPU)",
                  "models": {}}
     for label, ref in (("trained", name_or_path), ("base", base)):
         engine = HFEngine.from_pretrained(ref, dtype=torch.float32)
-        prompts = [engine.tokenizer(p, add_special_tokens=False)["input_ids"]
-                   for p in load_prompts(prompts_file, num_prompts)]
+        out["prompts"], prompts = measure_prompts(prompts_file, engine.tokenizer, num_prompts)
         ar = engine.generate(prompts, max_new_tokens=max_new_tokens, mode="ar", batch_size=16)
         reference = [o.token_ids for o in ar]
         row = {"model": str(ref), "heldout_ar_perplexity": heldout_ar_perplexity(engine.model, engine.tokenizer)[

@@ -98,11 +98,22 @@ RECIPES: dict[str, IDLMConfig] = {
 
 
 # ------------------------------------------------------------------------------ measurement
-def measure(name_or_path: str, prompts_file: Path = HELDOUT_PROMPTS, max_new_tokens: int = 128,
+def measure_prompts(prompts: str | Path, tokenizer, limit: int) -> tuple[str, list[list[int]]]:
+    """(how a measurement names its prompts, their token ids): a prompt set (`prompt_sets`:
+    tune, eval, humaneval) or a JSON-lines file, the first `limit` prompts."""
+    from selfspec.prompt_sets import SET_NAMES, load_prompts
+
+    path = Path(prompts)
+    label = str(prompts) if str(prompts) in SET_NAMES else str(
+        path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path)
+    return label, load_prompts(prompts, tokenizer, limit)[1]
+
+
+def measure(name_or_path: str, prompts_file: str | Path = HELDOUT_PROMPTS, max_new_tokens: int = 128,
             num_prompts: int = 64, alpha_prompts: int = 32) -> dict:
     from selfspec.engines.hf import HFEngine
     from selfspec.training.evaluate import (
-        decode_tpf, heldout_ar_perplexity, introspective_acceptance, load_prompts,
+        decode_tpf, heldout_ar_perplexity, introspective_acceptance,
     )
 
     started = time.time()
@@ -110,10 +121,10 @@ def measure(name_or_path: str, prompts_file: Path = HELDOUT_PROMPTS, max_new_tok
     meta = engine.metadata
     gated = meta is not None and registry.get(meta.mode).needs_adapter
     tok = engine.tokenizer
-    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in load_prompts(prompts_file, num_prompts)]
+    label, prompts = measure_prompts(prompts_file, tok, num_prompts)
     mask_id = engine.resolve_mask_token()
-    out: dict = {"prompts": str(prompts_file.relative_to(REPO) if prompts_file.is_relative_to(REPO) else prompts_file),
-                 "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "engine": "hf (fp32, CPU)"}
+    out: dict = {"prompts": label, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                 "engine": "hf (fp32, CPU)"}
 
     # held-out perplexity of the AR path, beside tiny-base's (the base of the conversion)
     base = HFEngine.from_pretrained(meta.base_model_path if gated else (meta.converted_from or "tiny-base"),
@@ -185,15 +196,22 @@ def finalize_provenance(model_dir: Path, command: str, selfgen: SelfgenSpec | No
         prov_file.write_text(json.dumps(prov, indent=2, default=str) + "\n")
 
 
-def record_measurement(model_dir: Path, measured: dict) -> None:
-    """Merge the measurement into selfspec.json (metrics.measured) and provenance.json."""
+def record_measurement(model_dir: Path, measured: dict, prompt_set: str | None = None) -> None:
+    """Merge the measurement into selfspec.json and provenance.json: under `measured` (the
+    held-out prompts), or under `measured_by_prompts[prompt_set]` for another prompt set."""
+    def merge(record: dict) -> None:
+        if prompt_set is None:
+            record["measured"] = measured
+        else:
+            record.setdefault("measured_by_prompts", {})[prompt_set] = measured
+
     meta = load_metadata(model_dir)
-    meta.metrics["measured"] = measured
+    merge(meta.metrics)
     meta.write(model_dir)
     prov_file = model_dir / "provenance.json"
     if prov_file.exists():
         prov = json.loads(prov_file.read_text())
-        prov["measured"] = measured
+        merge(prov)
         prov_file.write_text(json.dumps(prov, indent=2, default=str) + "\n")
 
 
@@ -264,15 +282,19 @@ def add_measure_parser(sub, help: str) -> None:
     p.add_argument("model", help="embedded name or export directory")
     p.add_argument("--no-record", action="store_true", help="print only; do not write the numbers into the model")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prompts", default=None,
+                   help="a prompt set (tune, eval, humaneval) or a JSON-lines file (default: the held-out prompts, "
+                        "bench/prompts/heldout.jsonl); another set is recorded under measured_by_prompts.SET")
 
 
 def run_measure(args: argparse.Namespace, measure_fn, format_fn) -> int:
     from selfspec.models import resolve_model
 
-    m = measure_fn(args.model, num_prompts=args.num_prompts)
+    extra = {"prompts_file": args.prompts} if args.prompts else {}
+    m = measure_fn(args.model, num_prompts=args.num_prompts, **extra)
     print(format_fn(m))
     if not args.no_record:
-        record_measurement(resolve_model(args.model), m)
+        record_measurement(resolve_model(args.model), m, m["prompts"] if args.prompts else None)
     return 0
 
 
