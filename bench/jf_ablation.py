@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from selfspec.engines.hf import HFEngine
-    from selfspec.training.evaluate import load_prompts
+    from selfspec.prompt_sets import load_prompt_set
     from selfspec.training.jacobi_forcing import JFObjective
     from selfspec.training.jf_recipe import PLAIN, RECIPE, _jacobi_row
     from selfspec.training.loop import train
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             result = train(JFObjective(cfg, args.trajectories))
             engine = HFEngine.from_pretrained(cfg.out, dtype=torch.float32)
             prompts = [engine.tokenizer(p, add_special_tokens=False)["input_ids"]
-                       for p in load_prompts(HELDOUT_PROMPTS, args.num_prompts)]
+                       for p in load_prompt_set(str(HELDOUT_PROMPTS))[: args.num_prompts]]
             ref = [o.token_ids for o in engine.generate(prompts, max_new_tokens=128, mode="ar", batch_size=16)]
             tpf = _jacobi_row(engine, prompts, 128, {**PLAIN, "block_size": 8}, ref)
         ev = result["state"]["history"][-1]["heldout"]

@@ -414,3 +414,22 @@ def test_embedded_tiny_jf_carries_its_recipe_and_jacobi_settings():
     cfg = engine.build_mode("jacobi").config  # the settings of selfspec.json, no options given
     assert (cfg.block_size, cfg.max_blocks, cfg.verify_size) == (16, 2, 4)
     assert engine.build_mode("jacobi", {"block_size": 8}).config.block_size == 8  # an option still wins
+
+
+def test_trajectory_prompts_from_a_jsonl_file(tmp_path):
+    """`jf-trajectories --prompts FILE`: the file's prompts in order, the last --heldout-prompts held out."""
+    import json
+
+    from selfspec.training.trajectories import TrajectoryConfig, load_prompt_ids
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "x" * (i + 1)}) + "\n" for i in range(6)))
+
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [len(text)]}
+
+    cfg = TrajectoryConfig(model="m", out=str(tmp_path / "out"), prompts=str(prompts), num_prompts=3,
+                           heldout_prompts=2)
+    train, held, described = load_prompt_ids(cfg, Tokenizer())
+    assert train == [[1], [2], [3]] and held == [[5], [6]] and described["lines"] == 6

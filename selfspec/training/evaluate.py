@@ -15,18 +15,11 @@ proposals and one-hot p, so alpha is the greedy match rate.
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 
 from selfspec.training.tiny_base import heldout_loss, tokenize_files
-
-
-def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    lines = [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
-    return lines[:limit] if limit else lines
 
 
 @torch.no_grad()

@@ -114,9 +114,9 @@ def _chat_prompts(dataset, num: int) -> list[list[int]]:
 def load_prompt_ids(cfg: TrajectoryConfig, tokenizer) -> tuple[list[list[int]], list[list[int]], dict]:
     """(train prompts, held-out prompts, description)."""
     if cfg.prompts is not None:
-        from selfspec.training.evaluate import load_prompts
+        from selfspec.prompt_sets import load_prompt_set
 
-        texts = load_prompts(cfg.prompts)
+        texts = load_prompt_set(str(cfg.prompts))
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         ids = [p for p in ids if p]
         held = ids[-cfg.heldout_prompts:] if cfg.heldout_prompts else []
