@@ -340,6 +340,7 @@ class SelfSpecWorker(BaseSpecWorker):
         states = [self._state_for(r) for r in batch.reqs]
         seqs = [st.seq for st in states]
         self._report_period(t0)
+        seq_lens = batch.seq_lens  # as the step starts (the forward may rebind the batch's)
         plan = self._plan_step(batch, seqs)
         t1 = time.perf_counter()
         result = self._forward_step(batch, plan)
@@ -352,7 +353,7 @@ class SelfSpecWorker(BaseSpecWorker):
         if batch.return_logprob:
             write_decode_logprobs(batch, result.logits_output, logits, outcomes, self.width)
         accept_lens, next_token_ids = self._commit_step(states, outcomes, plan)
-        new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
+        new_seq_lens = seq_lens + accept_lens.to(seq_lens.dtype)
         batch.forward_mode = ForwardMode.DECODE
         if on_publish is not None:
             on_publish(new_seq_lens)
