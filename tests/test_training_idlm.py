@@ -542,3 +542,38 @@ def test_anchor_teacher_runs_only_on_rows_with_clean_labels(micro_dir):
     clean_labels = shifted_labels(ids)
     torch.testing.assert_close(anchor_teacher_logits(teacher, ids, clean_labels), full)
     assert seen == [3]
+
+
+def test_mask_self_distillation_is_tempered_on_both_sides_and_trains_only_the_mask_half():
+    from selfspec.training.losses import self_distill_ce
+
+    torch.manual_seed(3)
+    mask = torch.randn(2, 5, 11, requires_grad=True)
+    clean = torch.randn(2, 5, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[0, 4] = IGNORE_INDEX
+    valid = labels != IGNORE_INDEX
+    for temp in (1.0, 0.7):
+        got = self_distill_ce(mask, clean, labels, temp)
+        want = -(torch.softmax(clean[valid] / temp, -1) * torch.log_softmax(mask[valid] / temp, -1)).sum(-1).mean()
+        assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert float(self_distill_ce(mask, clean, labels, 0.7)) != pytest.approx(float(self_distill_ce(mask, clean, labels)))
+    # the gradient vanishes where the MASK distribution already equals the tempered clean one
+    same = clean.detach().clone().requires_grad_(True)
+    self_distill_ce(same, clean, labels, 0.7).backward()
+    assert float(same.grad.abs().max()) < 1e-6 and clean.grad is None
+
+
+def test_distillation_temperatures_cycle_over_batches():
+    from selfspec.errors import UsageError
+    from selfspec.training.idlm import IDLMConfig, IDLMObjective
+
+    cfg = IDLMConfig(base="b", out="o", stride=2, mask_distill_weight=0.5, mask_distill_temperatures=[1.0, 0.7])
+    objective = IDLMObjective.__new__(IDLMObjective)  # stage() reads the config alone
+    objective.cfg = cfg
+    temps = [objective.stage(step, 10, {})["distill_temperature"] for step in range(4)]
+    assert temps == [1.0, 0.7, 1.0, 0.7]
+    objective.cfg = IDLMConfig(base="b", out="o", stride=2)  # no distillation: the stage says nothing of it
+    assert "distill_temperature" not in objective.stage(0, 10, {})
+    with pytest.raises(UsageError, match="mask-distill-temperatures"):
+        IDLMConfig(base="b", out="o", stride=2, mask_distill_temperatures=[0.0])

@@ -77,6 +77,10 @@ class IDLMConfig(LoopConfig):
     mask_distill_weight: float = option(
         0.0, help="optional extra loss: soft CE of the MASK distribution towards the detached clean-half "
                   "distribution at the same position (default 0: CE_mask + scale * CE_clean alone)")
+    mask_distill_temperatures: list[float] = option(
+        default_factory=lambda: [1.0],
+        help="temperatures of that distillation, one per batch in turn (e.g. 1.0,0.7: every other batch "
+             "matches the MASK and clean distributions tempered to 0.7, a sampling server's temperature)")
     ar_anchor_weight: float = option(
         0.0, help="optional extra loss (full fine-tune): KL from the frozen base to the clean half, "
                   "holding the AR path to the base (default 0: CE_mask + scale * CE_clean alone)")
@@ -106,6 +110,9 @@ class IDLMConfig(LoopConfig):
             raise UsageError("--stage-fractions needs one value per curriculum stage")
         total = sum(self.stage_fractions)
         self.stage_fractions = [f / total for f in self.stage_fractions]
+        if not self.mask_distill_temperatures or any(t <= 0 for t in self.mask_distill_temperatures):
+            raise UsageError(f"--mask-distill-temperatures {self.mask_distill_temperatures}: give one or more "
+                             "temperatures > 0, e.g. 1.0,0.7")
         if self.lora_rank and self.lora_alpha is None:
             self.lora_alpha = 2.0 * self.lora_rank
 
@@ -328,7 +335,11 @@ class IDLMObjective(Objective):
         si = max(state.get("stage", 0), stage_index(self.cfg, step, planned_steps))
         state["stage"] = si
         stride = self.cfg.curriculum[si]
-        return {"stride": stride, "balance": balance_for(self.cfg, stride)}
+        stage = {"stride": stride, "balance": balance_for(self.cfg, stride)}
+        if self.cfg.mask_distill_weight > 0:
+            temps = self.cfg.mask_distill_temperatures
+            stage["distill_temperature"] = temps[step % len(temps)]
+        return stage
 
     def batch(self, step: int, micro: int, rank: int):
         """(ids [B, L+1], MASK-half labels [B, L], clean-half labels [B, L])."""
@@ -351,8 +362,11 @@ class IDLMObjective(Objective):
         (logits, teacher_logits), (_, labels, clean_labels) = outputs, batch
         out = idlm_loss(logits, labels, stage["balance"], cfg.ce_scale, train_clean=not cfg.is_lora,
                         distill_weight=cfg.mask_distill_weight, clean_labels=clean_labels,
-                        teacher_logits=teacher_logits, anchor_weight=cfg.ar_anchor_weight)
+                        teacher_logits=teacher_logits, anchor_weight=cfg.ar_anchor_weight,
+                        distill_temperature=stage.get("distill_temperature", 1.0))
         stats = {"mask_ce": float(out.mask_ce), "clean_ce": float(out.clean_ce), "scale": out.scale}
+        if out.distill is not None:
+            stats["distill_ce"] = float(out.distill)
         if out.anchor is not None:
             stats["anchor_kl"] = float(out.anchor)
         return out.total, stats

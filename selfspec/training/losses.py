@@ -24,7 +24,8 @@ The clean-loss scale:
 
 Optional extra terms, off by default (weight 0 is the seed's loss exactly):
 - `self_distill_ce` (`mask_distill_weight`): the MASK distribution towards the detached
-  clean-half distribution at the same position.
+  clean-half distribution at the same position, both tempered (`mask_distill_temperatures`,
+  one per batch in turn) so that the proposals match what a sampling server accepts.
 - `ar_anchor_kl` (`ar_anchor_weight`): KL(base || clean half) on the clean positions, the frozen
   pre-conversion model as teacher. It holds the AR (verify) path to the base's distribution with
   soft targets, which carry far more per token than the corpus' one-hot labels; a small model
@@ -90,16 +91,21 @@ class IDLMLoss:
     anchor: torch.Tensor | None = None  # detached; only with anchor_weight > 0
 
 
-def self_distill_ce(mask_logits: torch.Tensor, clean_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def self_distill_ce(mask_logits: torch.Tensor, clean_logits: torch.Tensor, labels: torch.Tensor,
+                    temperature: float = 1.0) -> torch.Tensor:
     """Optional extra term: cross-entropy of the MASK distribution q at position p towards the
     detached clean-half distribution p at the same position (the model's own AR prediction of the
     same token p+1, given the true tokens <= p), averaged over labelled positions. It pulls the
-    proposals towards what the verify positions will accept rather than only towards the data."""
+    proposals towards what the verify positions will accept rather than only towards the data.
+
+    `temperature` T tempers both sides, softmax(logits / T): sampled acceptance at T is
+    sum(min(p_T, q_T)), so T < 1 weighs the head of the distribution a sampling server draws from
+    (and T -> 0 the greedy match)."""
     valid = labels != IGNORE_INDEX
     if not bool(valid.any()) and not data_parallel():
         return mask_logits.sum() * 0.0
-    target = torch.softmax(clean_logits[valid].detach().float(), dim=-1)
-    logq = torch.log_softmax(mask_logits[valid].float(), dim=-1)
+    target = torch.softmax(clean_logits[valid].detach().float() / temperature, dim=-1)
+    logq = torch.log_softmax(mask_logits[valid].float() / temperature, dim=-1)
     return mean_over_positions(-(target * logq).sum(-1))
 
 
@@ -125,7 +131,7 @@ def clean_loss_scale(mask_ce: torch.Tensor, clean_ce: torch.Tensor, balance: str
 def idlm_loss(logits: torch.Tensor, labels: torch.Tensor, balance: str, ce_scale: float = 0.2,
               train_clean: bool = True, distill_weight: float = 0.0,
               clean_labels: torch.Tensor | None = None, teacher_logits: torch.Tensor | None = None,
-              anchor_weight: float = 0.0) -> IDLMLoss:
+              anchor_weight: float = 0.0, distill_temperature: float = 1.0) -> IDLMLoss:
     """logits [B, 2L, V] of a packed [x_t | x_0] forward, labels [B, L] (MASK half) and
     `clean_labels` [B, L] (clean half; default: the same labels).
 
@@ -153,7 +159,7 @@ def idlm_loss(logits: torch.Tensor, labels: torch.Tensor, balance: str, ce_scale
     total = mask_ce + scale * clean_ce if train_clean else mask_ce
     distill = None
     if distill_weight > 0:
-        distill = self_distill_ce(logits[:, :seq_len], logits[:, seq_len:], labels)
+        distill = self_distill_ce(logits[:, :seq_len], logits[:, seq_len:], labels, distill_temperature)
         total = total + distill_weight * distill
         distill = distill.detach()
     anchor = None

@@ -150,14 +150,14 @@ def measure(name_or_path: str, prompts_file: str | Path = HELDOUT_PROMPTS, max_n
         r.pop("outputs")
     out["decode"] = rows
 
-    # introspective acceptance of the proposals (temperature 1 and greedy)
+    # introspective acceptance of the proposals: temperature 1, a sampling server's 0.7, greedy
     gate = None
     if gated:
         engine.build_mode("risd")  # attaches the adapter (once) and its gate
         gate = model_gate(engine.model)
     alpha = {}
     for n in (2, 3, 4):
-        for temp in (1.0, 0.0):
+        for temp in (1.0, 0.7, 0.0):
             a = introspective_acceptance(engine.model, prompts[:alpha_prompts], n, mask_id, new_tokens=64,
                                          temperature=temp, seed=0, gate=gate)
             alpha[f"N={n},T={temp:g}"] = {"alpha": a["alpha"], "by_offset": a["alpha_by_offset"],
