@@ -71,6 +71,12 @@ results: setup
 	  --num-prompts 2048 --threads 2
 	$(PY) bench/jf_ablation.py --steps 100 --num-prompts 16 --json $(R)/jf-ablation.json \
 	  --arms progressive:nc,random:nc,reverse:nc,progressive:nc_ic,progressive:cllm,progressive:nc:16
+# jf-sweep/: the tiny-jf recipe's trade-off, anchor weight x steps, one round on the trajectories above, then
+# two arms without the AR CE on the model's own trajectories; the pick fitted on the tune prompts (about 50 min)
+	$(PY) bench/jf_sweep.py --anchors 8,16,32,64 --steps 360 --points 3 --num-prompts 32 --prompts tune,heldout,humaneval \
+	  --json $(R)/jf-sweep/sweep.json --plot $(R)/jf-sweep/sweep.png
+	$(PY) bench/jf_sweep.py --append --anchors 16:0,8:0 --steps 360 --points 3 --num-prompts 32 \
+	  --prompts tune,heldout,humaneval --json $(R)/jf-sweep/sweep.json --plot $(R)/jf-sweep/sweep.png
 # grammar-proposals.json: grammar-masked vs raw ISD proposals under structured output (a few minutes)
 	$(PY) bench/grammar_proposals.py --json $(R)/grammar-proposals.json
 # fuzz-soak*.json: the fuzz soak, 1,120 requests per server (about 30 min), and SJD under retraction (about 5 min)

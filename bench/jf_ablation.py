@@ -5,7 +5,8 @@
         [--arms progressive:nc,progressive:nc_ic,progressive:cllm,random:nc,reverse:nc] [--json OUT]
 
 Every arm trains tiny-base for the same number of steps with the recipe's settings (block 8,
-window 8, lr, batch, loss weights of `selfspec.training.jf_recipe.RECIPE`), only the noise
+window 8, lr, batch of `selfspec.training.jf_recipe.RECIPE`) and the loss weights the ablation
+was run with (AR CE 1, anchor 4 to the starting model, `LOSS`), only the noise
 schedule and the mask changing, then reports its held-out signals (one-step Jacobi gain,
 accuracy after the first error, consistency KL, AR perplexity) and its plain-Jacobi TPF (n = 8,
 one block, context-initialised drafts) on held-out prompts, which must still equal its own greedy
@@ -27,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 DEFAULT_ARMS = "progressive:nc,progressive:nc_ic,progressive:cllm,random:nc,reverse:nc"
+LOSS = {"ar_weight": 1.0, "anchor_weight": 4.0, "anchor_model": None}  # the loss of the recipe this ablation informed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--arms", default=DEFAULT_ARMS, help="SCHEDULE:MASK[:ANCHOR_WEIGHT],... (schedules progressive "
                                                              "/ random / reverse; masks nc / nc_ic / cllm; anchor "
-                                                             "weight default the recipe's)")
+                                                             "weight default 4)")
     parser.add_argument("--num-prompts", type=int, default=24, help="held-out prompts for the TPF")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -52,11 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for arm in args.arms.split(","):
         schedule, context, *rest = arm.split(":")
-        anchor = float(rest[0]) if rest else RECIPE.anchor_weight
+        anchor = float(rest[0]) if rest else LOSS["anchor_weight"]
         started = time.time()
         with tempfile.TemporaryDirectory() as tmp:
             cfg = replace(RECIPE, rounds=None, round_fractions=None, trajectories=args.trajectories, block_size=8,
-                          window=8, schedule=schedule, context=context, anchor_weight=anchor, steps=args.steps, time_budget_minutes=None,
+                          window=8, schedule=schedule, context=context, **{**LOSS, "anchor_weight": anchor},
+                          steps=args.steps, time_budget_minutes=None,
                           eval_every=0, save_every=0, out=str(Path(tmp) / "model"), checkpoint_dir=str(Path(tmp) / "ck"),
                           progress_bar=False)
             result = train(JFObjective(cfg, args.trajectories))
