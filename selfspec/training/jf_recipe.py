@@ -1,6 +1,6 @@
 """The embedded `tiny-jf`: Jacobi Forcing of tiny-base, and its measurement.
 
-    selfspec train tiny-jf                # the committed recipe (two rounds, n = 8 then 16)
+    selfspec train tiny-jf                # the committed recipe (one round, n = 8, anchored to tiny-base)
     python -m selfspec.training.jf_recipe measure tiny-jf
 
 Work files (trajectories, round-1 model, checkpoints) go to runs/tiny-jf/; the export to
@@ -36,10 +36,10 @@ from selfspec.training.recipes import (
 NAME = "tiny-jf"
 RECIPE = JFConfig(
     base="tiny-base", out=str(ASSETS_DIR / NAME), name=NAME, base_ref="tiny-base",
-    rounds=["8:8:2048", "16:8:1024"], round_fractions=[0.65, 0.35], num_prompts=2048, heldout_prompts=64,
-    prompt_tokens=64, new_tokens=128, schedule="progressive", context="nc", ar_weight=1.0, anchor_weight=4.0,
-    batch_size=8, steps=4000, time_budget_minutes=40.0, lr=3e-4, min_lr_ratio=0.05, warmup_ratio=0.03,
-    grad_clip=1.0, eval_every=200, eval_tokens=16384, save_every=200, serve_max_blocks=2, serve_verify_size=4,
+    rounds=["8:8:2048"], round_fractions=[1.0], num_prompts=2048, heldout_prompts=64,
+    prompt_tokens=64, new_tokens=128, schedule="progressive", context="nc", ar_weight=0.0, anchor_weight=16.0,
+    anchor_model="tiny-base", batch_size=8, steps=360, time_budget_minutes=None, lr=3e-4, min_lr_ratio=0.05,
+    warmup_ratio=0.03, grad_clip=1.0, eval_every=200, eval_tokens=16384, save_every=200, serve_max_blocks=2, serve_verify_size=4,
     serve_spawn_ratio=0.85, checkpoint_dir=str(REPO / "runs" / NAME), seed=0, threads=2,
 )
 RECIPE_OPTIONS = ("out", "time_budget_minutes", "steps", "resume", "seed")
