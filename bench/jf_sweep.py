@@ -6,8 +6,9 @@
 
 Every arm trains tiny-base by the tiny-jf recipe's round-1 settings (n = 8, w = 8, lr, batch,
 anchored to tiny-base), with its own anchor weight and weight of the AR CE on the model's own
-trajectories, on one set of round-1 trajectories, for `--steps` steps with one learning-rate schedule, and stops `--points` times along it (a checkpoint, then `--resume`) to
-measure the model as the recipe does: held-out AR perplexity against tiny-base's (the stdlib
+trajectories, on one set of round-1 trajectories, for `--steps` steps with one learning-rate
+schedule, and stops `--points` times along it (a checkpoint, then `--resume`) to measure the
+model as the recipe does: held-out AR perplexity against tiny-base's (the stdlib
 held-out split), and per prompt set the share of greedy AR outputs that end in a repetition loop
 and the multi-block + recycling (MR) TPF at the recipe's serving settings, on all outputs and on
 the ones that do not loop (every JACOBI output must equal the model's own greedy AR output).

@@ -39,8 +39,8 @@ RECIPE = JFConfig(
     rounds=["8:8:2048"], round_fractions=[1.0], num_prompts=2048, heldout_prompts=64,
     prompt_tokens=64, new_tokens=128, schedule="progressive", context="nc", ar_weight=0.0, anchor_weight=16.0,
     anchor_model="tiny-base", batch_size=8, steps=360, time_budget_minutes=None, lr=3e-4, min_lr_ratio=0.05,
-    warmup_ratio=0.03, grad_clip=1.0, eval_every=200, eval_tokens=16384, save_every=200, serve_max_blocks=2, serve_verify_size=4,
-    serve_spawn_ratio=0.85, checkpoint_dir=str(REPO / "runs" / NAME), seed=0, threads=2,
+    warmup_ratio=0.03, grad_clip=1.0, eval_every=200, eval_tokens=16384, save_every=200, serve_max_blocks=2,
+    serve_verify_size=4, serve_spawn_ratio=0.85, checkpoint_dir=str(REPO / "runs" / NAME), seed=0, threads=2,
 )
 RECIPE_OPTIONS = ("out", "time_budget_minutes", "steps", "resume", "seed")
 
