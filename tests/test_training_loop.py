@@ -88,6 +88,8 @@ def test_recipe_and_tiny_base_options_come_from_their_configs():
     recipes.add_arguments(p)
     args = p.parse_args(["--steps", "5", "--resume"])
     assert given_options(IDLMConfig, args) == {"steps": 5, "resume": "auto"}
+    args = p.parse_args(["--mask-distill-weight", "1", "--mask-distill-temperatures", "1.0,0.7"])
+    assert given_options(IDLMConfig, args) == {"mask_distill_weight": 1.0, "mask_distill_temperatures": [1.0, 0.7]}
     p = argparse.ArgumentParser()
     tiny_base.add_arguments(p)
     cfg = from_args(tiny_base.TinyBaseConfig, p.parse_args(["--steps", "7"]))
