@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PPL_LIMIT = 0.10  # the bound on the perplexity change
+PPL_LIMIT = 0.10  # the recipe's bound on the perplexity change: at most 1.10x tiny-base's
 
 
 def mr_options(block_size: int) -> dict:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from selfspec.engines.hf import HFEngine
-    from selfspec.training.jacobi_forcing import JFObjective
+    from selfspec.training.jacobi_forcing import JFObjective, parse_rounds
     from selfspec.training.jf_recipe import RECIPE
     from selfspec.training.loop import train
     from selfspec.training.recipes import HELDOUT_PROMPTS, measure_prompts
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--trajectories {args.trajectories} is not a finished trajectory directory; collect it with "
                      "`selfspec train jf-trajectories --model tiny-base --out runs/tiny-jf/round-1/trajectories "
                      "--block-size 8 --num-prompts 2048` (about 11 minutes)")
-    block = 8
+    round_1 = parse_rounds(RECIPE.rounds)[0]  # the recipe's round the arms retrain
+    block = round_1.block_size
     options = mr_options(block)
     base_engine = HFEngine.from_pretrained("tiny-base", dtype=torch.float32)
     sets = {name: measure_prompts(HELDOUT_PROMPTS if name == "heldout" else name, base_engine.tokenizer,
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         with tempfile.TemporaryDirectory() as tmp:
             cfg = replace(RECIPE, rounds=None, round_fractions=None, trajectories=args.trajectories, block_size=block,
-                          window=8, anchor_weight=anchor, anchor_model="tiny-base", ar_weight=ar_weight,
+                          window=round_1.window, anchor_weight=anchor, anchor_model="tiny-base", ar_weight=ar_weight,
                           steps=args.steps,
                           time_budget_minutes=None, eval_every=0, save_every=0, out=str(Path(tmp) / "model"),
                           checkpoint_dir=str(Path(tmp) / "ck"), progress_bar=False)
