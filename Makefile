@@ -65,7 +65,7 @@ results: setup
 	$(PY) bench/step_costs.py --json $(R)/step-costs.json
 # serve-tiny-jf.json: tiny-jf served by stock SGLang, AR / NGRAM / JACOBI (about 10 min)
 	$(SELFSPEC) bench serve --modes ar,ngram,jacobi --model tiny-jf --concurrency 1,4,16 --num-prompts 16 \
-	  --max-tokens 128 --prompts bench/prompts/heldout.jsonl --genai-bench off --json $(R)/serve-tiny-jf.json
+	  --max-tokens 128 --prompts selfspec/data/prompts/heldout.jsonl --genai-bench off --json $(R)/serve-tiny-jf.json
 # jf-ablation.json: tiny-jf's round-1 trajectories (tiny-base, n = 8; about 15 min), then 6 arms (about 25 min)
 	$(SELFSPEC) train jf-trajectories --model tiny-base --out runs/tiny-jf/round-1/trajectories --block-size 8 \
 	  --num-prompts 2048 --threads 2

@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from selfspec.models import resolve_model
+    from selfspec.prompt_sets import HELDOUT_PROMPTS
 
     base = resolve_model("tiny-base")
     tok = AutoTokenizer.from_pretrained(str(base))
-    prompts = [json.loads(line)["prompt"] for line in (REPO / "bench/prompts/heldout.jsonl").read_text().splitlines()
-               if line.strip()]
+    prompts = [json.loads(line)["prompt"] for line in HELDOUT_PROMPTS.read_text().splitlines() if line.strip()]
     heldout_ids = [tok(x, add_special_tokens=False)["input_ids"] for x in prompts[: fx.NUM_PROMPTS]]
     factory = _Factory(Path(args.logs))
     seeds = _seeds(args.seeds)

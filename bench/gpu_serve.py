@@ -241,10 +241,11 @@ def main() -> int:
 
     from selfspec.benchmarks.serve import mode_server_args
     from selfspec.models import resolve_model
+    from selfspec.prompt_sets import HELDOUT_PROMPTS
 
     model = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(model))
-    texts = [json.loads(line)["prompt"] for line in (REPO / "bench/prompts/heldout.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in HELDOUT_PROMPTS.read_text().splitlines()
              if line.strip()][: args.prompts]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     env = plugin_env(out_dir)

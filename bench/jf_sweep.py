@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=360, help="steps of every arm's schedule")
     parser.add_argument("--points", type=int, default=3, help="measurements along each arm (evenly spaced)")
     parser.add_argument("--prompts", default="tune,heldout,humaneval",
-                        help="prompt sets, the pick's first: tune, heldout (bench/prompts/heldout.jsonl), eval, "
-                             "humaneval or a file")
+                        help="prompt sets, the pick's first: tune, heldout (selfspec/data/prompts/heldout.jsonl), "
+                             "eval, humaneval or a file")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)

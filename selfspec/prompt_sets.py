@@ -6,7 +6,9 @@
   wheel, installed without its dependencies; nothing is downloaded at run time).
 
 `tune` and `eval` are cut from the held-out files of the embedded models' corpus, split by
-file (`selfspec.training.prompts.split_of`), so no source file feeds both.
+file (`selfspec.training.prompts.split_of`), so no source file feeds both. Their files, and the
+recipes' held-out prompts (`heldout.jsonl`), are package data (`selfspec/data/prompts/`): they
+are read from the installed package, never from a source tree.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from pathlib import Path
 
 from selfspec.errors import UsageError
 
-REPO = Path(__file__).resolve().parents[1]
-PROMPTS_DIR = REPO / "bench" / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parent / "data" / "prompts"
+#: the recipes' held-out prompts (`python -m selfspec.training.prompts`), by path
+HELDOUT_PROMPTS = PROMPTS_DIR / "heldout.jsonl"
 #: the named sets; a name that is not one of these is read as a path
 SET_NAMES = ("tune", "eval", "humaneval")
 
@@ -36,7 +39,7 @@ def humaneval_prompts() -> list[str]:
 
 
 def set_path(name: str) -> Path:
-    """The file of a named set stored in the repository (tune, eval)."""
+    """The file of a named set shipped in the package (tune, eval)."""
     return PROMPTS_DIR / f"{name}.jsonl"
 
 

@@ -55,7 +55,7 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-HELDOUT_PROMPTS = REPO / "bench" / "prompts" / "heldout.jsonl"
+from selfspec.prompt_sets import HELDOUT_PROMPTS  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -215,7 +215,7 @@ def test_a_recipe_measurement_on_another_prompt_set_keeps_the_held_out_one(tmp_p
     from selfspec.training import recipes
     from selfspec.training.recipes import measure_prompts, record_measurement
 
-    meta = {"mode": "jacobi", "metrics": {"measured": {"prompts": "bench/prompts/heldout.jsonl", "tpf": 2.0}}}
+    meta = {"mode": "jacobi", "metrics": {"measured": {"prompts": "selfspec/data/prompts/heldout.jsonl", "tpf": 2.0}}}
     (tmp_path / "selfspec.json").write_text(json.dumps(meta))
     (tmp_path / "provenance.json").write_text(json.dumps({"measured": {"tpf": 2.0}}))
     record_measurement(tmp_path, {"prompts": "humaneval", "tpf": 3.0}, "humaneval")
@@ -231,4 +231,4 @@ def test_a_recipe_measurement_on_another_prompt_set_keeps_the_held_out_one(tmp_p
     label, ids = measure_prompts("humaneval", Tokenizer(), 5)
     assert label == "humaneval" and len(ids) == 5
     label, ids = measure_prompts(recipes.HELDOUT_PROMPTS, Tokenizer(), 3)
-    assert label == "bench/prompts/heldout.jsonl" and len(ids) == 3
+    assert label == "selfspec/data/prompts/heldout.jsonl" and len(ids) == 3

@@ -3,10 +3,10 @@
     selfspec train tiny-jf                # the committed recipe (one round, n = 8, anchored to tiny-base)
     python -m selfspec.training.jf_recipe measure tiny-jf
 
-Work files (trajectories, round-1 model, checkpoints) go to runs/tiny-jf/; the export to
-selfspec/assets/tiny-jf/. After export the recipe measures on the held-out prompts
-(bench/prompts/heldout.jsonl, 64 prompts x 128 new tokens, greedy, HF engine fp32) for tiny-jf
-and tiny-base at the same settings:
+Work files (trajectories, round-1 model, checkpoints) go to runs/tiny-jf/ under the working
+directory; the export to selfspec/assets/tiny-jf/. After export the recipe measures on the
+held-out prompts (selfspec/data/prompts/heldout.jsonl, 64 prompts x 128 new tokens, greedy, HF
+engine fp32) for tiny-jf and tiny-base at the same settings:
 - plain-Jacobi tokens per forward (TPF) at n = 8, 16, 32 (one block, no candidates, drafts
   initialised from the context) and multi-block + rejection recycling (MR) at the recommended
   settings, on all outputs and on the outputs that do not end in a repetition loop;
@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from selfspec.models import ASSETS_DIR
+from selfspec.paths import check_package_write, runs_dir
 from selfspec.training import config as C
 from selfspec.training.jacobi_forcing import JFConfig, train_jf
 from selfspec.training.recipes import (
-    HELDOUT_PROMPTS, REPO, add_measure_parser, finalize_provenance, measure_prompts, record_measurement, run_measure,
+    HELDOUT_PROMPTS, add_measure_parser, finalize_provenance, measure_prompts, record_measurement, run_measure,
 )
 
 NAME = "tiny-jf"
@@ -40,7 +41,7 @@ RECIPE = JFConfig(
     prompt_tokens=64, new_tokens=128, schedule="progressive", context="nc", ar_weight=0.0, anchor_weight=16.0,
     anchor_model="tiny-base", batch_size=8, steps=360, time_budget_minutes=None, lr=3e-4, min_lr_ratio=0.05,
     warmup_ratio=0.03, grad_clip=1.0, eval_every=200, eval_tokens=16384, save_every=200, serve_max_blocks=2,
-    serve_verify_size=4, serve_spawn_ratio=0.85, checkpoint_dir=str(REPO / "runs" / NAME), seed=0, threads=2,
+    serve_verify_size=4, serve_spawn_ratio=0.85, checkpoint_dir=str(runs_dir(NAME)), seed=0, threads=2,
 )
 RECIPE_OPTIONS = ("out", "time_budget_minutes", "steps", "resume", "seed")
 
@@ -120,6 +121,7 @@ def run_recipe(args: argparse.Namespace | None = None) -> dict:
     cfg = RECIPE
     if args is not None:
         cfg = replace(cfg, **{k: v for k, v in C.given_options(JFConfig, args).items() if k in RECIPE_OPTIONS})
+    check_package_write(cfg.out, f"selfspec train {NAME}")
     result = train_jf(cfg)
     if result.get("interrupted"):
         return result

@@ -1,14 +1,16 @@
 """Held-out prompts for tests and benchmarks, cut from the held-out split of the corpus.
 
-`python -m selfspec.training.prompts --out bench/prompts/heldout.jsonl --count 128` writes the
-committed file; prompts start at a line that begins a `def` or `class`, or at a blank-line
-boundary, and end at a line end, so they look like what a code model is asked to continue. It
-starts with the original cut (three per file, 64 minus the 5 texts that two files share; the
-recipes' measurements use the first 64), then more cuts of the same files, so a benchmark whose
-concurrency levels need more than 64 requests still never repeats a prompt.
+`python -m selfspec.training.prompts --count 128` writes the committed file
+(`selfspec/data/prompts/heldout.jsonl`, package data); prompts start at a line that begins a
+`def` or `class`, or at a blank-line boundary, and end at a line end, so they look like what a
+code model is asked to continue. It starts with the original cut (three per file, 64 minus the
+5 texts that two files share; the recipes' measurements use the first 64), then more cuts of the
+same files, so a benchmark whose concurrency levels need more than 64 requests still never
+repeats a prompt.
 
-`python -m selfspec.training.prompts --split --out bench/prompts` writes the benchmarks' two
-disjoint sets, `tune.jsonl` and `eval.jsonl` (`split_of` says which file feeds which).
+`python -m selfspec.training.prompts --split` writes the benchmarks' two disjoint sets,
+`tune.jsonl` and `eval.jsonl`, beside it (`split_of` says which file feeds which). Rewriting the
+package's files is for a source checkout; `--out` writes elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from selfspec.paths import check_package_write
+from selfspec.prompt_sets import HELDOUT_PROMPTS, PROMPTS_DIR
 from selfspec.training.corpus import load_stdlib_split
 
 
@@ -106,12 +110,13 @@ def split_prompts(split: str, count: int = SPLIT_COUNT, max_chars: int = 320) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="the file to write, or with --split the folder (tune.jsonl, "
-                        "eval.jsonl)")
+    parser.add_argument("--out", default=None, help="the file to write, or with --split the folder (tune.jsonl, "
+                        "eval.jsonl); default: the package's own (selfspec/data/prompts/)")
     parser.add_argument("--count", type=int, default=None, help="prompts to write (per set with --split)")
     parser.add_argument("--split", action="store_true", help="write the disjoint tune and eval sets (`split_of`)")
     args = parser.parse_args()
-    out = Path(args.out)
+    out = Path(args.out) if args.out else PROMPTS_DIR if args.split else HELDOUT_PROMPTS
+    check_package_write(out, "python -m selfspec.training.prompts")
     sets = ({name: split_prompts(name, args.count or SPLIT_COUNT) for name in SPLITS} if args.split
             else {out.stem: benchmark_prompts(args.count or 128)})
     for name, prompts in sets.items():

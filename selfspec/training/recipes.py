@@ -6,8 +6,9 @@
 Each trains with `selfspec.training.idlm` on the stdlib corpus (tiny-base's train split) mixed
 50/50 with on-policy data (tiny-base's own greedy continuations of train-split prompts, MASK half
 only; generated first if missing, see `SELFGEN`) under a wall-clock budget (the step plan adapts to the machine's speed so the schedule always anneals),
-exports to `selfspec/assets/<name>/` (checkpoints go to runs/<name>/, outside the package), then
-measures on the held-out prompts (bench/prompts/heldout.jsonl) with the HF engine and writes the
+exports to `selfspec/assets/<name>/` (checkpoints go to runs/<name>/ under the working directory),
+then measures on the held-out prompts (`selfspec/data/prompts/heldout.jsonl`, package data) with
+the HF engine and writes the
 numbers into the export's selfspec.json (`metrics.measured`) and provenance.json:
 - held-out perplexity of the AR path (plain causal forward) beside tiny-base's;
 - TPF of AR, ISD at N = 2, 3, 4 (greedy; temperature 1 with tau = 0 and tau = 1) or RISD, and
@@ -32,12 +33,10 @@ from selfspec.kernels.lora_gate import model_gate
 from selfspec.decoding import registry
 from selfspec.decoding.metadata import load_metadata
 from selfspec.models import ASSETS_DIR
+from selfspec.paths import check_package_write, recorded_path, runs_dir
+from selfspec.prompt_sets import HELDOUT_PROMPTS
 from selfspec.training import config as C
 from selfspec.training.idlm import IDLMConfig, train_idlm
-
-REPO = Path(__file__).resolve().parents[2]
-HELDOUT_PROMPTS = REPO / "bench" / "prompts" / "heldout.jsonl"
-
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class SelfgenSpec:
 
     @property
     def file(self) -> Path:
-        return REPO / "runs" / "selfgen" / f"{self.model}-n{self.num}.jsonl"
+        return runs_dir("selfgen", f"{self.model}-n{self.num}.jsonl")
 
     def command(self) -> str:
         return (f"python -m selfspec.training.selfgen --model {self.model} --out {_relative(str(self.file))} "
@@ -82,7 +81,7 @@ RECIPES: dict[str, IDLMConfig] = {
         seq_len=256, batch_size=8, steps=4000, time_budget_minutes=56.0,
         lr=5e-4, min_lr_ratio=0.05, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
         ce_scale=0.2, auto_balance_from=4, ar_anchor_weight=1.0, eval_every=200, eval_tokens=16384, save_every=200,
-        checkpoint_dir=str(REPO / "runs" / "tiny-idlm"), seed=0, threads=1, mixed_precision="bf16",
+        checkpoint_dir=str(runs_dir("tiny-idlm")), seed=0, threads=1, mixed_precision="bf16",
     ),
     "tiny-idlm-lora": IDLMConfig(
         base="tiny-base", out=str(ASSETS_DIR / "tiny-idlm-lora"), name="tiny-idlm-lora", base_ref="tiny-base",
@@ -92,7 +91,7 @@ RECIPES: dict[str, IDLMConfig] = {
         seq_len=256, batch_size=8, steps=3000, time_budget_minutes=28.0,
         lr=3e-3, min_lr_ratio=0.05, warmup_ratio=0.03, weight_decay=0.0, grad_clip=1.0,
         eval_every=100, eval_tokens=16384, save_every=200,
-        checkpoint_dir=str(REPO / "runs" / "tiny-idlm-lora"), seed=0, threads=1, mixed_precision="bf16",
+        checkpoint_dir=str(runs_dir("tiny-idlm-lora")), seed=0, threads=1, mixed_precision="bf16",
     ),
 }
 
@@ -103,9 +102,7 @@ def measure_prompts(prompts: str | Path, tokenizer, limit: int) -> tuple[str, li
     tune, eval, humaneval) or a JSON-lines file, the first `limit` prompts."""
     from selfspec.prompt_sets import SET_NAMES, load_prompts
 
-    path = Path(prompts)
-    label = str(prompts) if str(prompts) in SET_NAMES else str(
-        path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path)
+    label = str(prompts) if str(prompts) in SET_NAMES else recorded_path(str(Path(prompts).resolve()))
     return label, load_prompts(prompts, tokenizer, limit)[1]
 
 
@@ -169,15 +166,14 @@ def measure(name_or_path: str, prompts_file: str | Path = HELDOUT_PROMPTS, max_n
 
 
 def _relative(value):
+    """Paths in a recorded config as `paths.recorded_path` writes them (lists item by item)."""
     if isinstance(value, list):
         return [_relative(v) for v in value]
-    if isinstance(value, str) and value.startswith(str(REPO) + "/"):
-        return value[len(str(REPO)) + 1:]
-    return value
+    return recorded_path(value) if isinstance(value, str) else value
 
 
 def finalize_provenance(model_dir: Path, command: str, selfgen: SelfgenSpec | None = None) -> None:
-    """Record the recipe's own command, and repository-relative paths, in selfspec.json and
+    """Record the recipe's own command, and machine-independent paths, in selfspec.json and
     provenance.json (the training code records what it was given)."""
     meta = load_metadata(model_dir)
     meta.recipe["command"] = command
@@ -246,6 +242,7 @@ def run_recipe(name: str, args: argparse.Namespace | None = None) -> dict:
     cfg = RECIPES[name]
     if args is not None:
         cfg = replace(cfg, **{k: v for k, v in C.given_options(IDLMConfig, args).items() if k in RECIPE_OPTIONS})
+    check_package_write(cfg.out, f"selfspec train {name}")
     selfgen = SELFGEN.get(name)
     if selfgen is not None and str(selfgen.file) in (cfg.data or []):
         selfgen.ensure()
@@ -287,12 +284,14 @@ def add_measure_parser(sub, help: str) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompts", default=None,
                    help="a prompt set (tune, eval, humaneval) or a JSON-lines file (default: the held-out prompts, "
-                        "bench/prompts/heldout.jsonl); another set is recorded under measured_by_prompts.SET")
+                        "selfspec/data/prompts/heldout.jsonl); another set is recorded under measured_by_prompts.SET")
 
 
 def run_measure(args: argparse.Namespace, measure_fn, format_fn) -> int:
     from selfspec.models import resolve_model
 
+    if not args.no_record:
+        check_package_write(resolve_model(args.model), f"measure {args.model}", "add --no-record to only print")
     extra = {"prompts_file": args.prompts} if args.prompts else {}
     m = measure_fn(args.model, num_prompts=args.num_prompts, **extra)
     print(format_fn(m))
