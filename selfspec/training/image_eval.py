@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from selfspec.models import ASSETS_DIR
+from selfspec.paths import check_package_write
 
 CLASSIFIER_DIR = ASSETS_DIR / "digits-classifier"
 
@@ -174,6 +175,7 @@ def add_classifier_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_classifier(args: argparse.Namespace) -> int:
+    check_package_write(args.out, "selfspec train digits-classifier")
     train_classifier(Path(args.out), args.epochs, args.seed)
     return 0
 

@@ -31,6 +31,7 @@ import torch
 from selfspec.decoding.metadata import SelfspecMetadata, load_metadata
 from selfspec.errors import UsageError
 from selfspec.models import ASSETS_DIR
+from selfspec.paths import check_package_write, runs_dir
 from selfspec.training import config as C
 from selfspec.training.config import LoopConfig, option
 from selfspec.training.data import batch_generator
@@ -41,7 +42,6 @@ from selfspec.training.losses import next_token_ce
 from selfspec.training.loop import train
 from selfspec.training.objective import Objective
 
-RUNS_DIR = Path(__file__).resolve().parents[2] / "runs"
 CODEBOOK_FILE = "codebook.npy"
 
 
@@ -248,7 +248,7 @@ def train_image_gpt(cfg: ImageGPTConfig) -> dict:
 
 # ------------------------------------------------------------------------------ recipes
 def _recipe(name: str, minutes: float, **sizes) -> ImageGPTConfig:
-    return ImageGPTConfig(out=str(ASSETS_DIR / name), name=name, checkpoint_dir=str(RUNS_DIR / name),
+    return ImageGPTConfig(out=str(ASSETS_DIR / name), name=name, checkpoint_dir=str(runs_dir(name)),
                           time_budget_minutes=minutes, **sizes)
 
 
@@ -271,6 +271,7 @@ def run_recipe(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     cfg = replace(RECIPES[args.recipe], **C.given_options(ImageGPTConfig, args))
+    check_package_write(cfg.out, f"selfspec train {args.recipe}")
     train_image_gpt(cfg)
     return 0
 

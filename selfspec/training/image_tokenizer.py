@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from selfspec.models import ASSETS_DIR
+from selfspec.paths import check_package_write
 
 PATCH = 2
 GRID = 14  # 28 / PATCH
@@ -123,5 +124,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_package_write(args.out, "selfspec train mnist-vq")
     train_tokenizer(Path(args.out), args.size, args.seed)
     return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from selfspec.models import ASSETS_DIR
+from selfspec.paths import check_package_write, runs_dir
 from selfspec.training import config as C
 from selfspec.training.config import LoopConfig, option
 from selfspec.training.corpus import HELDOUT_PERCENT, load_stdlib_split
@@ -29,7 +30,6 @@ from selfspec.training.loop import train
 from selfspec.training.objective import Objective
 from selfspec.training.tokenizer import EOS_TOKEN, IM_END, train_bpe_tokenizer
 
-RUNS_DIR = Path(__file__).resolve().parents[2] / "runs"
 
 
 @dataclass(kw_only=True)
@@ -47,7 +47,7 @@ class TinyBaseConfig(LoopConfig):
     weight_decay: float = 0.1
     eval_every: int = 150
     eval_tokens: int = 65536  # the final evaluation reads the whole held-out split
-    checkpoint_dir: str | None = str(RUNS_DIR / "tiny-base")  # outside the package
+    checkpoint_dir: str | None = str(runs_dir("tiny-base"))  # under the working directory
     threads: int | None = 1  # one thread: on a shared 2-core machine two OpenMP threads stall each other
     mixed_precision: str = "no"  # fp32, as tiny-base was trained
     # the model and its data
@@ -223,5 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    train_tiny_base(C.from_args(TinyBaseConfig, args))
+    cfg = C.from_args(TinyBaseConfig, args)
+    check_package_write(cfg.out, "selfspec train tiny-base")
+    train_tiny_base(cfg)
     return 0
