@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` (the main job) and `make test`; `make results`
-# regenerates bench/results/.
-.PHONY: setup demo test results
+# regenerates bench/results/; `make wheel-check` installs the wheel like a user would.
+.PHONY: setup demo test results wheel-check
 
 setup:
 	@bash scripts/setup_env.sh
@@ -14,6 +14,12 @@ TEST_WORKERS ?= 2
 
 test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadgroup
+
+# The wheel installed with --no-deps into a clean venv over the dependency venv, used from an
+# empty directory outside the repository: models, prompt sets, an offline benchmark and one
+# completion from `python -m sglang.launch_server ... --speculative-algorithm ISD` (about 3 min).
+wheel-check: setup
+	@bash scripts/wheel_check.sh
 
 # Every file under bench/results/, regenerated one topic after another by the committed bench
 # commands with the arguments that made it: about 8 hours on 2 shared CPU cores (times below are

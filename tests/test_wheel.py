@@ -1,0 +1,100 @@
+"""selfspec installed from its wheel: the package carries its data (embedded models, prompt files)
+and reads nothing from a source tree. The cheap part of `make wheel-check` (scripts/wheel_check.sh,
+which also benchmarks and serves from the installed package)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _copy_checkout(dest: Path) -> None:
+    """This checkout's tracked and new files (what a wheel is built from), so that the build writes
+    nothing into the repository."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    archive = dest.parent / "src.tar"
+    with tarfile.open(archive, "w") as tar:
+        for name in filter(None, listed):
+            if (REPO / name).exists():
+                tar.add(REPO / name, arcname=name, recursive=False)
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="tar")
+    archive.unlink()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("building the wheel needs setuptools")
+    root = tmp_path_factory.mktemp("wheel")
+    _copy_checkout(root / "src")
+    proc = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(root / "dist"),
+                 str(root / "src")], cwd=root)
+    noise = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if "deprecat" in line.lower() or "BuildBackendWarning" in line or "SetuptoolsWarning" in line]
+    assert not noise, "building the wheel warned:\n" + "\n".join(noise)
+    shutil.rmtree(root / "src")
+    (built,) = (root / "dist").glob("selfspec-*.whl")
+    return built
+
+
+def test_the_wheel_carries_the_package_data_and_no_tests(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for name in ("tune", "eval", "heldout"):
+        assert f"selfspec/data/prompts/{name}.jsonl" in names
+    for model in ("tiny-base", "tiny-idlm", "tiny-idlm-lora", "tiny-jf", "tiny-c2i-student", "mnist-vq256"):
+        assert any(n.startswith(f"selfspec/assets/{model}/") for n in names), model
+    assert "selfspec/assets/tiny-base/model.safetensors" in names
+    assert "selfspec/sglang_ext/cpu_compat/_shim/sgl_kernel/__init__.py" in names
+    assert not [n for n in names if not n.startswith(("selfspec/", "selfspec-0"))]  # no tests/, bench/, docs/
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "selfspec = selfspec.sglang_ext.plugin:register" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_installed_from_the_wheel_selfspec_reads_its_data_from_the_install(wheel, tmp_path):
+    """Installed with --no-deps into a venv over this environment's packages (the `.pth` line
+    `make setup` uses), run from an empty directory: the package and its prompt sets come from
+    the venv, and rebuilding an embedded model in place is refused."""
+    sglang = importlib.util.find_spec("sglang")
+    if sglang is None:
+        pytest.skip("needs an environment with SGLang")
+    deps_site = Path(sglang.origin).parents[1]
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
+    python = venv / "bin" / "python"
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     cwd=tmp_path).stdout.strip())
+    (site / "_deps.pth").write_text(f"import site; site.addsitedir({str(deps_site)!r})\n")
+    _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", str(wheel)], cwd=tmp_path)
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    probe = ("import selfspec; from selfspec.prompt_sets import HELDOUT_PROMPTS, load_prompt_set; "
+             "print(selfspec.__file__); print(len(load_prompt_set('tune')), len(load_prompt_set('eval')), "
+             "len(load_prompt_set(str(HELDOUT_PROMPTS))))")
+    out = _run([str(python), "-c", probe], cwd=cwd).stdout.split("\n")
+    assert out[0] == str(site / "selfspec" / "__init__.py")
+    assert [int(n) for n in out[1].split()] == [160, 160, 128]
+
+    proc = subprocess.run([str(venv / "bin" / "selfspec"), "train", "tiny-idlm", "--no-measure"], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "source checkout" in proc.stderr and "--out" in proc.stderr, proc.stderr
+    assert not list(cwd.iterdir())  # refused before writing anything
