@@ -98,3 +98,29 @@ def test_installed_from_the_wheel_selfspec_reads_its_data_from_the_install(wheel
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "source checkout" in proc.stderr and "--out" in proc.stderr, proc.stderr
     assert not list(cwd.iterdir())  # refused before writing anything
+
+
+def test_run_outputs_and_recorded_paths_do_not_depend_on_where_selfspec_is(tmp_path, monkeypatch):
+    """Work files go under the working directory; provenance names the package's files relative
+    to the package's parent and work files relative to the working directory; a checkout may
+    rebuild its embedded models in place, an installed package may not."""
+    from selfspec import paths
+    from selfspec.errors import UsageError
+    from selfspec.training import recipes, tiny_base
+
+    monkeypatch.chdir(tmp_path)
+    assert str(paths.runs_dir("tiny-idlm")) == "runs/tiny-idlm"
+    assert tiny_base.TinyBaseConfig().checkpoint_dir == "runs/tiny-base"
+    assert recipes.RECIPES["tiny-idlm"].checkpoint_dir == "runs/tiny-idlm"
+    assert recipes.SELFGEN["tiny-idlm"].file == Path("runs/selfgen/tiny-base-n8192.jsonl")
+    assert paths.recorded_path(str(paths.PACKAGE_DIR / "assets" / "tiny-idlm")) == "selfspec/assets/tiny-idlm"
+    assert paths.recorded_path(str(tmp_path / "runs" / "x")) == "runs/x"
+    assert paths.recorded_path("/elsewhere/x") == "/elsewhere/x" and paths.recorded_path("stdlib") == "stdlib"
+    assert recipes.HELDOUT_PROMPTS.is_relative_to(paths.PACKAGE_DIR)
+
+    assert paths.source_checkout() == REPO  # the suite runs from a checkout
+    paths.check_package_write(paths.PACKAGE_DIR / "assets" / "tiny-base", "selfspec train tiny-base")
+    paths.check_package_write(tmp_path / "out", "selfspec train tiny-base")  # outside the package: fine
+    monkeypatch.setattr(paths, "source_checkout", lambda: None)
+    with pytest.raises(UsageError, match="installed package.*--out DIR"):
+        paths.check_package_write(paths.PACKAGE_DIR / "assets" / "tiny-base", "selfspec train tiny-base")
