@@ -5,7 +5,10 @@ Installed through SGLang's HookRegistry by the plugin (no patched files):
 - around `ServerArgs.from_cli_args`: the flags are taken off the parsed namespace and published
   as JSON in `SELFSPEC_SERVER_FLAGS`; SGLang's scheduler processes are spawned later from this
   process and inherit it. A `--selfspec-config` preset that names its mode also supplies
-  `--speculative-algorithm` when that flag is absent.
+  `--speculative-algorithm` when that flag is absent;
+- what a published checkpoint needs SGLang to load it as (`config.server_arg_additions`: an SDAR
+  checkpoint's causal class, I-DLM's default sampling parameters) is set on the parsed
+  arguments before SGLang builds anything from them.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from typing import Any
 from selfspec.decoding import registry
 from selfspec.decoding.policy import POLICY_NAMES
 from selfspec.sglang_ext import config as cfgmod
+from selfspec.sglang_ext.checkpoint_files import is_repo_id
+from selfspec.sglang_ext.published import PRESETS
 
 _DESTS = ("selfspec_config", "selfspec_stride", "selfspec_tau", "selfspec_mask_token_id", "selfspec_lora",
-          "selfspec_options", "selfspec_policy")
+          "selfspec_options", "selfspec_policy", "selfspec_preset")
 
 
 def add_selfspec_args(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +35,13 @@ def add_selfspec_args(parser: argparse.ArgumentParser) -> None:
         "selfspec", f"Self-speculative decoding (--speculative-algorithm {' | '.join(registry.SGLANG_ALGORITHMS)}). "
         "Defaults come from the checkpoint's selfspec.json, then the mode's defaults.")
     g.add_argument("--selfspec-config", default=None, metavar="FILE.yaml",
-                   help="mode options in one YAML file (presets: serving_configs/*.yaml); flags below override it")
+                   help="mode options in one YAML file (presets: serving_configs/*.yaml), or I-DLM's own algorithm "
+                   "config (idlm_blockN4_config.yaml: gen_block_size is the stride, verify_alpha the relaxed "
+                   "acceptance, its sampling keys the server's defaults); flags below override it")
+    g.add_argument("--selfspec-preset", default=None, choices=sorted(PRESETS),
+                   help="the decoding settings a published checkpoint family recommends: "
+                   + "; ".join(f"{k}: {p.summary}" for k, p in PRESETS.items())
+                   + " (picked by itself for a Hub name of that family)")
     g.add_argument("--selfspec-policy", default=None, choices=POLICY_NAMES,
                    help="what runs at each batch size when no --selfspec-config plan is given. auto (default): the "
                    "mode's own step with the context candidate at small greedy batches, lookup steps at wider ones "
@@ -44,9 +55,11 @@ def add_selfspec_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--selfspec-tau", type=float, default=None, metavar="TAU",
                    help="ISD/RISD relaxed acceptance min(1,(1+tau)p/q); 0 keeps the AR distribution")
     g.add_argument("--selfspec-mask-token-id", type=int, default=None, metavar="ID",
-                   help="ISD/RISD [MASK] token id (default: selfspec.json, then the tokenizer's mask token)")
-    g.add_argument("--selfspec-lora", default=None, metavar="DIR",
-                   help="RISD gated LoRA adapter (PEFT directory; default: selfspec.json 'adapter')")
+                   help="ISD/RISD [MASK] token id (default: selfspec.json, then config.json's mask_token_id, then "
+                   "the tokenizer's mask token)")
+    g.add_argument("--selfspec-lora", default=None, metavar="DIR|ORG/NAME",
+                   help="RISD gated LoRA adapter: a PEFT folder or Hub name, no selfspec.json needed "
+                   "(default: selfspec.json 'adapter')")
     g.add_argument("--selfspec-options", default=None, metavar="K=V,...",
                    help="any option of the mode's decoding config, e.g. 'block_size=16,max_blocks=2' (JACOBI) "
                    "or 'window=8' (SJD); checked when the server starts. Options: "
@@ -58,16 +71,33 @@ def flags_from_namespace(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if getattr(args, "selfspec_config", None):
         out["config"] = os.path.abspath(os.path.expanduser(args.selfspec_config))
-    for key in ("stride", "tau", "mask_token_id", "lora", "policy"):
+    for key in ("stride", "tau", "mask_token_id", "lora", "policy", "preset"):
         v = getattr(args, "selfspec_" + key, None)
         if v is not None:
-            out[key] = os.path.abspath(os.path.expanduser(v)) if key == "lora" else v
+            out[key] = _local_or_hub(v) if key == "lora" else v
     if getattr(args, "selfspec_options", None):
         try:
             out["options"] = registry.parse_option_string(args.selfspec_options)
         except ValueError as e:
             raise cfgmod.SelfSpecConfigError(f"[selfspec] --selfspec-options: {e}") from None
     return out
+
+
+def _local_or_hub(path: str) -> str:
+    """An absolute path for a folder (the servers' working directory may differ), a Hub name as given."""
+    return path if is_repo_id(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def _apply_published_checkpoint(ns: argparse.Namespace, flags: dict[str, Any]) -> None:
+    if registry.for_sglang_algorithm(getattr(ns, "speculative_algorithm", None)) is None:
+        return
+    add = cfgmod.server_arg_additions(str(ns.model_path), getattr(ns, "revision", None), flags,
+                                      getattr(ns, "json_model_override_args", None),
+                                      bool(getattr(ns, "trust_remote_code", False)))
+    if "json_model_override_args" in add:
+        ns.json_model_override_args = add["json_model_override_args"]
+    if "preferred_sampling_params" in add and not getattr(ns, "preferred_sampling_params", None):
+        ns.preferred_sampling_params = add["preferred_sampling_params"]
 
 
 def _after_add_cli_args(result, parser, *args, **kwargs):
@@ -91,6 +121,7 @@ def _around_from_cli_args(original, *args, **kwargs):
                 mode = cfgmod.load_yaml_config(flags["config"]).get("mode")
                 if mode:
                     ns.speculative_algorithm = str(mode).upper()
+        _apply_published_checkpoint(ns, flags)
         for d in _DESTS:
             if hasattr(ns, d):
                 delattr(ns, d)

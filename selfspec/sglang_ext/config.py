@@ -3,9 +3,16 @@
 Sources, highest precedence first:
 1. `--selfspec-*` flags on the SGLang command line (see `cli_args.py`);
 2. `--selfspec-config FILE.yaml` (presets in `serving_configs/`);
-3. the checkpoint's `selfspec.json` (`selfspec.decoding.metadata`): mode, stride, mask token,
+3. a preset for a published checkpoint (`--selfspec-preset`, or picked by the model's Hub
+   organisation: `published.PRESETS`);
+4. the checkpoint's `selfspec.json` (`selfspec.decoding.metadata`): mode, stride, mask token,
    RISD adapter, so `--speculative-algorithm ISD --model-path <I-DLM checkpoint>` needs nothing else;
-4. the mode's own defaults (its config class in `selfspec.decoding.registry`).
+5. the mode's own defaults (its config class in `selfspec.decoding.registry`).
+
+The checkpoint's files are read wherever SGLang reads them (a folder, or a Hub name through the
+Hub cache: `checkpoint_files`), and a published release that carries no selfspec.json is
+recognised from what it does carry (`published`): the mask token from config.json, an SDAR
+checkpoint served through SGLang's causal class, I-DLM's own algorithm config file.
 
 `resolve(server_args)` merges them, builds the decoding-core mode once to learn its fixed
 verify width, and checks everything a server would otherwise discover mid-request. Each
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +37,10 @@ from selfspec.decoding.metadata import (
     MetadataError, SelfspecMetadata, load_metadata, model_fingerprint, weights_sha256,
 )
 from selfspec.decoding.policy import PolicyConfig, policy_plan
+from selfspec.sglang_ext import checkpoint_files, published
+
+logger = logging.getLogger(__name__)
+
 #: JSON of the `--selfspec-*` flags, set by the CLI hook in the launching process.
 FLAGS_ENV = "SELFSPEC_SERVER_FLAGS"
 #: JSON of the resolved configuration, set after validation for the scheduler processes.
@@ -56,6 +68,10 @@ class ResolvedConfig:
     sources: dict[str, str] = field(default_factory=dict)  # option -> where it came from
     plan: dict[str, Any] | None = None  # a width plan (`decoding/width_plan.py`): per batch size, its options
     policy: str | None = None  # the built-in policy that wrote `plan` (`decoding/policy.py`); None: a plan file
+    model_dir: str = ""  # the folder of the model's files (a Hub name's cache snapshot)
+    architecture: str | None = None  # the class SGLang serves the model as, where not its own (SDAR)
+    sampling_defaults: dict[str, Any] | None = None  # the server's default sampling parameters (I-DLM's config)
+    notes: list[str] = field(default_factory=list)  # what was recognised and mapped, for the start-up log
 
     @property
     def spec(self) -> registry.ModeSpec:
@@ -81,7 +97,9 @@ class ResolvedConfig:
             plan = f"; width plan ({self.sources.get('plan', '?')}): {WidthPlan.from_dict(self.plan, self.mode).describe()}"
         elif self.policy is not None:
             plan = f"; built-in policy {self.policy}: the mode alone on every step"
-        return f"{self.algorithm}: width {self.width}; {opts}{plan}"
+        served = f"; served as {self.architecture} (causal)" if self.architecture else ""
+        notes = "".join(f"; {n}" for n in self.notes)
+        return f"{self.algorithm}: width {self.width}; {opts}{plan}{served}{notes}"
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -109,24 +127,70 @@ def cli_flags_from_env() -> dict[str, Any]:
     return json.loads(raw) if raw else {}
 
 
-def _tokenizer_mask_id(tokenizer_dir: str) -> int | None:
-    """The tokenizer's mask token id, read from its files (no model load)."""
-    d = Path(tokenizer_dir)
+def _model_config(model_dir: str | Path) -> dict[str, Any]:
+    return checkpoint_files.read_json(Path(model_dir), "config.json")
+
+
+def _local(path: str, revision: str | None = None, what: str = "small") -> Path:
     try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(d))
-    except Exception:
-        return None
-    if getattr(tok, "mask_token", None) is None:
-        return None
-    tid = tok.mask_token_id
-    return int(tid) if tid is not None else None
+        return checkpoint_files.local_dir(path, revision, files=what)
+    except UserError as e:
+        raise _err(str(e)) from None
 
 
-def _model_config(model_path: str) -> dict[str, Any]:
-    f = Path(model_path) / "config.json"
-    return json.loads(f.read_text()) if f.is_file() else {}
+def model_files(model_path: str, revision: str | None) -> tuple[Path, dict[str, Any], str | None]:
+    """(the model's folder, its config.json, the architecture a selfspec mode serves it as)."""
+    model_dir = _local(model_path, revision)
+    config = _model_config(model_dir)
+    try:
+        return model_dir, config, published.served_architecture(config, model_path)
+    except UserError as e:
+        raise _err(str(e)) from None
+
+
+def server_arg_additions(model_path: str, revision: str | None, flags: dict[str, Any],
+                         override_json: str | None, trust_remote_code: bool) -> dict[str, Any]:
+    """Server arguments a published checkpoint needs before SGLang loads it (the CLI hook sets
+    them, `resolve` checks them): the causal class for an SDAR checkpoint, the default sampling
+    parameters of I-DLM's algorithm config."""
+    out: dict[str, Any] = {}
+    _, config, arch = model_files(model_path, revision)
+    if not trust_remote_code and config.get("auto_map") and not _known_model_type(config.get("model_type")):
+        raise _err(f"{model_path} declares its config class as remote code (auto_map in its config.json, "
+                   f"model_type {config.get('model_type')!r}), which SGLang loads only with --trust-remote-code: "
+                   "add --trust-remote-code")
+    if arch is not None:
+        override = _override_args(override_json)
+        override["architectures"] = [arch]
+        out["json_model_override_args"] = json.dumps(override)
+    if flags.get("config"):
+        data = load_yaml_config(flags["config"])
+        if published.is_idlm_algorithm_config(data):
+            sampling = _idlm_settings(data, flags["config"]).sampling
+            if sampling:
+                out["preferred_sampling_params"] = json.dumps(sampling)
+    return out
+
+
+def _known_model_type(model_type: Any) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
+
+
+def _override_args(text: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError as e:
+        raise _err(f"--json-model-override-args is not valid JSON ({e})") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _idlm_settings(data: dict[str, Any], source: str) -> published.IdlmSettings:
+    try:
+        return published.from_idlm_algorithm_config(data, f"--selfspec-config {source}")
+    except (UserError, TypeError, ValueError) as e:
+        raise _err(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------- resolution
@@ -136,9 +200,10 @@ def build_mode(cfg: ResolvedConfig, padded: bool = True):
     at their last real token instead of MASK padding to the fixed width; the padding is never
     seen by a real position, so the step decides the same, for fewer query tokens."""
     spec = cfg.spec
-    vocab = _model_config(cfg.model_path).get("vocab_size")
+    vocab = checkpoint_files.vocab_size(_model_config(cfg.model_dir or cfg.model_path))
     if spec.needs_vocab_size and vocab is None:
-        raise _err(f"{cfg.algorithm} needs the vocabulary size: {cfg.model_path}/config.json has no vocab_size")
+        raise _err(f"{cfg.algorithm} needs the vocabulary size: {cfg.model_path}'s config.json has no vocab_size "
+                   "(nor text_config.vocab_size)")
     resources = registry.ModeResources(cfg.mask_token_id, int(vocab) if vocab is not None else None)
     options = dict(cfg.options) if padded else registry.unpadded(spec.name, cfg.options)
     if cfg.plan is not None:
@@ -155,9 +220,30 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
         raise _err(f"--speculative-algorithm {algorithm} is not a selfspec mode "
                    f"({', '.join(registry.SGLANG_ALGORITHMS)})")
     model_path = str(server_args.model_path)
+    revision = getattr(server_args, "revision", None)
+    model_dir, model_config, architecture = model_files(model_path, revision)
+    if architecture is not None:
+        _check_served_as(architecture, model_path, getattr(server_args, "json_model_override_args", None))
     flags = cli_flags_from_env()
     yaml_cfg = load_yaml_config(flags["config"]) if flags.get("config") else {}
-    meta = _load_metadata(model_path)
+    meta = _load_metadata(model_dir)
+    notes: list[str] = []
+    sampling_defaults = None
+    if published.is_idlm_algorithm_config(yaml_cfg):
+        if spec.checkpoint_kind not in ("idlm", "adapter"):
+            raise _err(f"--selfspec-config {flags['config']} is I-DLM's algorithm config (gen_block_size), which "
+                       f"configures ISD / RISD, not {algorithm}")
+        idlm = _idlm_settings(yaml_cfg, flags["config"])
+        yaml_cfg, sampling_defaults = dict(idlm.options), idlm.sampling or None
+        notes.append(f"I-DLM config {flags['config']}: " + ", ".join(idlm.mapped))
+        if idlm.unmapped:
+            notes.append("not mapped: " + "; ".join(idlm.unmapped))
+            logger.warning("[selfspec] --selfspec-config %s: keys with no ISD equivalent, not applied: %s",
+                           flags["config"], "; ".join(idlm.unmapped))
+    try:
+        preset = published.preset_for(flags.get("preset"), model_path, algorithm)
+    except UserError as e:
+        raise _err(str(e)) from None
 
     yaml_mode = yaml_cfg.pop("mode", None)
     plan = yaml_cfg.pop("plan", None)
@@ -170,7 +256,7 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
         raise _err(f"--selfspec-config {flags['config']} gives a width plan, which replaces the built-in policy: "
                    "drop the policy (--selfspec-policy or policy:) or the plan")
     if plan is not None and plan_model is not None:
-        _check_plan_model(str(flags["config"]), plan_model, model_path)
+        _check_plan_model(str(flags["config"]), plan_model, str(model_dir))
 
     defaults = spec.defaults
     known = set(defaults)
@@ -185,20 +271,26 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
         options[key] = value
         sources[key] = source
 
-    # 4. defaults, 3. checkpoint metadata (RISD: the base's, then the adapter's), 2. YAML, 1. flags
+    # 5. defaults, 4. checkpoint metadata (RISD: the base's, then the adapter's), 3. a preset, 2. YAML, 1. flags
     for k, v in defaults.items():
         put(k, v, "default")
     metas = [meta]
     if spec.needs_adapter:
         adapter = flags.get("lora") or yaml_cfg.get("adapter") or (meta.adapter_path if meta else None)
-        if adapter and Path(adapter).expanduser().is_dir():
-            metas.append(_load_metadata(Path(adapter).expanduser()))
+        if adapter:
+            metas.append(_load_metadata(_local(str(adapter), what="all")))
     for m in metas:
         if m is None:
             continue
         src = f"{m.path}/selfspec.json"
         for key in spec.metadata_fields:
             put(key, m.option(key), src)
+    if preset is not None:
+        name, chosen = preset
+        how = f"--selfspec-preset {name}" if flags.get("preset") else f"preset {name} (its Hub organisation)"
+        for k, v in chosen.options.items():
+            put(k, v, how)
+        notes.append(f"{how}: {chosen.summary}")
     for k, v in yaml_cfg.items():
         put(k, v, f"--selfspec-config {flags['config']}")
     flag_opts = dict(flags.get("options") or {})
@@ -208,12 +300,14 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
     for k, v in flag_opts.items():
         put(k, v, f"--selfspec-{k.replace('_', '-')}" if k in ("stride", "tau") else "--selfspec-options")
 
-    cfg = ResolvedConfig(algorithm=algorithm, model_path=model_path, options=options, width=0, sources=sources)
+    cfg = ResolvedConfig(algorithm=algorithm, model_path=model_path, options=options, width=0, sources=sources,
+                         model_dir=str(model_dir), architecture=architecture, sampling_defaults=sampling_defaults,
+                         notes=notes)
     if plan is not None:
         cfg.plan, sources["plan"] = plan, f"--selfspec-config {flags['config']}"
     else:
         _apply_policy(cfg, policy_value)
-    _check_mode_specific(cfg, server_args, flags, meta)
+    _check_mode_specific(cfg, server_args, flags, meta, model_config)
     try:
         mode = build_mode(cfg)
     except SelfSpecConfigError:
@@ -223,6 +317,16 @@ def resolve(server_args: Any, algorithm: str | None = None) -> ResolvedConfig:
     cfg.width = int(mode.max_width)
     _check_width(cfg, server_args)
     return cfg
+
+
+def _check_served_as(architecture: str, model_path: str, override_json: str | None) -> None:
+    """A model that must be served as another class (an SDAR checkpoint, causally) is refused
+    unless SGLang was told to (the CLI hook tells it; a server built in code must say it)."""
+    if _override_args(override_json).get("architectures") != [architecture]:
+        raise _err(f"{model_path} must be served as {architecture} (the causal model the selfspec modes verify "
+                   "against; SGLang's own class of this checkpoint prefills non-causally): launch it with "
+                   "`python -m sglang.launch_server`, which sets this, or pass json_model_override_args="
+                   f"'{{\"architectures\": [\"{architecture}\"]}}'")
 
 
 def _apply_policy(cfg: ResolvedConfig, value: Any) -> None:
@@ -238,7 +342,7 @@ def _apply_policy(cfg: ResolvedConfig, value: Any) -> None:
     plan = policy_plan(spec.name, spec.policy_options, policy)
     if plan is None:
         return
-    user_set = {k for k, src in cfg.sources.items() if src.startswith("--selfspec")}
+    user_set = {k for k, src in cfg.sources.items() if src.startswith(("--selfspec", "preset"))}
     for buckets in (plan["greedy"], plan["sampled"]):
         for bucket in buckets:
             if bucket["mode"] == spec.name:
@@ -269,7 +373,8 @@ def _load_metadata(directory: str | Path) -> SelfspecMetadata | None:
         raise _err(str(e)) from None
 
 
-def _check_mode_specific(cfg: ResolvedConfig, server_args: Any, flags: dict, meta: SelfspecMetadata | None) -> None:
+def _check_mode_specific(cfg: ResolvedConfig, server_args: Any, flags: dict, meta: SelfspecMetadata | None,
+                         model_config: dict[str, Any]) -> None:
     algo = cfg.algorithm
     if cfg.spec.serving_check is not None:
         problem = cfg.spec.serving_check(cfg.options, cfg.sources)
@@ -277,47 +382,70 @@ def _check_mode_specific(cfg: ResolvedConfig, server_args: Any, flags: dict, met
             raise _err(f"{algo}: {problem}")
     if not cfg.spec.needs_mask_token:
         return
-    # mask token: flag, options, metadata, tokenizer
-    mask_id = flags.get("mask_token_id")
-    if mask_id is None:
-        mask_id = cfg.options.get("mask_token_id")
-    tokenizer_dir = getattr(server_args, "tokenizer_path", None) or cfg.model_path
-    if mask_id is None:
-        mask_id = _tokenizer_mask_id(str(tokenizer_dir))
-    if mask_id is None:
-        raise _err(f"{algo} appends [MASK] tokens, but {cfg.model_path} has no mask token (no mask_token_id in "
-                   "selfspec.json, no mask_token in the tokenizer). Serve an I-DLM checkpoint (selfspec train "
-                   "writes selfspec.json), or name the token with --selfspec-mask-token-id ID, or use "
-                   "--speculative-algorithm JACOBI / SJD, which need no mask token")
-    vocab = _model_config(cfg.model_path).get("vocab_size")
-    if vocab is not None and not 0 <= int(mask_id) < int(vocab):
-        raise _err(f"mask token id {mask_id} is outside the model's vocabulary (vocab_size {vocab}); "
-                   "fix --selfspec-mask-token-id or selfspec.json mask_token_id")
-    cfg.mask_token_id = int(mask_id)
-    cfg.options["mask_token_id"] = int(mask_id)
-    cfg.sources.setdefault("mask_token_id", "resolved")
-
+    _resolve_mask_token(cfg, server_args, flags, model_config)
     if cfg.spec.needs_adapter:
         adapter = flags.get("lora") or cfg.options.get("adapter") or (meta.adapter_path if meta else None)
         if not adapter:
-            raise _err("RISD needs a gated LoRA adapter, and none was given: pass --selfspec-lora ADAPTER_DIR "
-                       "(a PEFT LoRA directory trained for RISD on this base), or add \"adapter\": \"DIR\" to "
-                       f"{cfg.model_path}/selfspec.json")
-        adapter = str(Path(adapter).expanduser().resolve()) if Path(adapter).expanduser().exists() else adapter
-        check_adapter(adapter, cfg.model_path)
-        cfg.adapter = adapter
-        cfg.options["adapter"] = adapter
+            raise _err("RISD needs a gated LoRA adapter, and none was given: pass --selfspec-lora ADAPTER "
+                       "(a PEFT LoRA folder or Hub name trained for RISD on this base), or add \"adapter\": \"DIR\" "
+                       f"to {cfg.model_path}/selfspec.json")
+        adapter_dir = str(_local(str(adapter), what="all").resolve())
+        check_adapter(adapter_dir, cfg.model_dir or cfg.model_path)
+        cfg.adapter = adapter_dir
+        cfg.options["adapter"] = adapter_dir
         cfg.sources["adapter"] = "--selfspec-lora" if flags.get("lora") else "selfspec.json / --selfspec-config"
 
 
+def _resolve_mask_token(cfg: ResolvedConfig, server_args: Any, flags: dict, model_config: dict[str, Any]) -> None:
+    """The [MASK] id, first found of: --selfspec-mask-token-id, the options (selfspec.json, a
+    config file, --selfspec-options), config.json's mask_token_id, the tokenizer's mask_token."""
+    mask_id, source = flags.get("mask_token_id"), "--selfspec-mask-token-id"
+    if mask_id is None:
+        mask_id, source = cfg.options.get("mask_token_id"), cfg.sources.get("mask_token_id", "")
+    if mask_id is None:
+        mask_id, source = checkpoint_files.config_mask_token_id(model_config), "config.json mask_token_id"
+    if mask_id is None:
+        tokenizer = getattr(server_args, "tokenizer_path", None) or cfg.model_path
+        tokenizer_dir = cfg.model_dir if tokenizer == cfg.model_path else _local(str(tokenizer), None)
+        mask_id, source = checkpoint_files.tokenizer_mask_token_id(Path(tokenizer_dir)), "the tokenizer's mask_token"
+    if mask_id is None:
+        raise _err(f"{cfg.algorithm} appends [MASK] tokens, but {cfg.model_path} names no mask token (no mask_token_id "
+                   "in selfspec.json or config.json, no mask_token in the tokenizer). Serve an I-DLM checkpoint, "
+                   "or name the token with --selfspec-mask-token-id ID (I-DLM's <|MASK|> is 151669 on Qwen3's "
+                   "vocabulary), or use --speculative-algorithm JACOBI / SJD, which need no mask token")
+    vocab = checkpoint_files.vocab_size(model_config)
+    if vocab is not None and not 0 <= int(mask_id) < int(vocab):
+        raise _err(f"mask token id {mask_id} (from {source}) is outside the model's vocabulary (vocab_size {vocab}); "
+                   "fix --selfspec-mask-token-id or selfspec.json mask_token_id")
+    cfg.mask_token_id = int(mask_id)
+    cfg.options["mask_token_id"] = int(mask_id)
+    cfg.sources["mask_token_id"] = source
+
+
+#: each LoRA target's (in, out) features on a Qwen3 / Qwen2 / Llama base, from its config.json
+def _projection_shapes(mc: dict[str, Any]) -> dict[str, tuple[int | None, int | None]]:
+    hidden = mc.get("hidden_size")
+    heads = mc.get("num_attention_heads")
+    kv_heads = mc.get("num_key_value_heads", heads)
+    head_dim = mc.get("head_dim") or (hidden // heads if hidden and heads else None)
+    inter = mc.get("intermediate_size")
+    q = heads * head_dim if heads and head_dim else None
+    kv = kv_heads * head_dim if kv_heads and head_dim else None
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
 def check_adapter(adapter: str, model_path: str) -> None:
-    """RISD adapter sanity: a PEFT LoRA dir whose shapes fit this base and whose recorded base
+    """RISD adapter sanity, at start-up: a PEFT LoRA folder whose every target is a projection of
+    this base with the base's in / out features and the adapter's rank, and whose recorded base
     fingerprint (selfspec.json lora.base_sha256), when present, is this base's."""
+    import re
+
     from selfspec.engines.lora import load_adapter_state
 
     a = Path(adapter)
     if not a.is_dir():
-        raise _err(f"RISD adapter {adapter} is not a directory; pass --selfspec-lora with a PEFT adapter dir")
+        raise _err(f"RISD adapter {adapter} is not a directory; pass --selfspec-lora with a PEFT adapter folder")
     try:
         config, state = load_adapter_state(a)
     except (FileNotFoundError, ValueError) as e:
@@ -335,42 +463,43 @@ def check_adapter(adapter: str, model_path: str) -> None:
             raise _err(f"RISD adapter {adapter} was trained on another base{base_hint}: its selfspec.json "
                        f"records base_sha256 {want[:12]}..., but {model_path} has {have[:12]}.... Serve the base "
                        "it was trained on, or train an adapter for this base")
-    mc = _model_config(model_path)
+    mc = checkpoint_files.text_config(_model_config(model_path))
     if not mc:
         return
-    hidden = mc.get("hidden_size")
-    heads = mc.get("num_attention_heads")
-    kv_heads = mc.get("num_key_value_heads", heads)
-    head_dim = mc.get("head_dim") or (hidden // heads if hidden and heads else None)
-    inter = mc.get("intermediate_size")
+    named = config.get("base_model_name_or_path")
+    other = f" (its adapter_config.json names base {named!r})" if named else ""
     layers = mc.get("num_hidden_layers")
-    dims = {
-        "q_proj": (hidden, heads * head_dim if heads and head_dim else None),
-        "k_proj": (hidden, kv_heads * head_dim if kv_heads and head_dim else None),
-        "v_proj": (hidden, kv_heads * head_dim if kv_heads and head_dim else None),
-        "o_proj": (heads * head_dim if heads and head_dim else None, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
-    import re
-
+    dims = _projection_shapes(mc)
+    rank = config.get("r")
     for key, t in state.items():
-        m = re.search(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])", key)
+        m = re.search(r"(?:layers\.(\d+)\.)?(?:[\w.]*\.)?(\w+)\.lora_([AB])(?:\.\w+)?\.weight$", key)
         if not m:
             continue
-        layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
-        if layers is not None and layer >= layers:
-            raise _err(f"RISD adapter {adapter} was trained on another base: it has layer {layer}, the base "
+        layer, proj, ab = m.group(1), m.group(2), m.group(3)
+        if layer is not None and layers is not None and int(layer) >= layers:
+            raise _err(f"RISD adapter {adapter} was trained on another base{other}: it has layer {layer}, the base "
                        f"{model_path} has {layers} layers")
         if proj not in dims:
-            continue
+            raise _err(f"RISD adapter {adapter} was trained on another base{other}: it adapts module {proj!r} "
+                       f"({key}), which the base {model_path} does not have (projections: {', '.join(dims)})")
         d_in, d_out = dims[proj]
-        bad = (ab == "A" and d_in is not None and t.shape[-1] != d_in) or (
-            ab == "B" and d_out is not None and t.shape[0] != d_out)
-        if bad:
-            raise _err(f"RISD adapter {adapter} was trained on another base: {key} has shape {tuple(t.shape)}, "
-                       f"which does not fit {proj} of {model_path} ({d_in} -> {d_out})")
+        r = t.shape[0] if ab == "A" else t.shape[-1]
+        features = t.shape[-1] if ab == "A" else t.shape[0]
+        expected = d_in if ab == "A" else d_out
+        if expected is not None and features != expected:
+            raise _err(f"RISD adapter {adapter} was trained on another base{other}: {key} has shape "
+                       f"{tuple(t.shape)}, which does not fit {proj} of {model_path} ({d_in} -> {d_out})")
+        if rank is not None and _rank_of(config, key, proj) != r:
+            raise _err(f"RISD adapter {adapter}: {key} has rank {r}, but its adapter_config.json says "
+                       f"{_rank_of(config, key, proj)}: the folder's weights and config disagree")
+
+
+def _rank_of(config: dict[str, Any], key: str, proj: str) -> int:
+    """The rank PEFT gives `key`: rank_pattern's entry for the module, else r."""
+    for pattern, value in (config.get("rank_pattern") or {}).items():
+        if pattern in key or pattern == proj:
+            return int(value)
+    return int(config["r"])
 
 
 def _check_width(cfg: ResolvedConfig, server_args: Any) -> None:

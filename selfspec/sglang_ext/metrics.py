@@ -174,6 +174,12 @@ def _after_add_speculative(result, self, state, *args, **kwargs):
         cfg = getattr(worker, "cfg", None)  # what the server runs: its plan, and the policy that wrote it
         state["selfspec"]["plan"] = getattr(cfg, "plan", None)
         state["selfspec"]["policy"] = getattr(cfg, "policy", None)
+        if cfg is not None:  # what the server resolved and loaded: options with their sources, the model class
+            model = getattr(getattr(worker, "model_runner", None), "model", None)
+            state["selfspec"]["resolved"] = {
+                "options": cfg.options, "sources": cfg.sources, "mask_token_id": cfg.mask_token_id,
+                "adapter": cfg.adapter, "model_dir": cfg.model_dir, "notes": cfg.notes,
+                "model_class": type(model).__name__ if model is not None else None}
         check = getattr(getattr(worker, "mode", None), "check", None)
         if check is not None:  # a width plan's online check: per batch-size class, what runs
             state["selfspec"]["online_check"] = check.summary()

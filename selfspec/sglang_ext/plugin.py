@@ -7,12 +7,34 @@ SGLang's `load_plugins()` right after every plugin ran (`HookRegistry.apply_hook
 
 from __future__ import annotations
 
+import sys
+
+
+def _user_errors_in_one_line() -> None:
+    """A start-up check that fails ends the launcher with its message alone (it names the fix),
+    not with a traceback through SGLang's argument parsing; any other exception keeps its own."""
+    from selfspec.errors import UserError
+
+    previous = sys.excepthook
+    if getattr(previous, "selfspec", False):
+        return
+
+    def hook(kind, value, tb):
+        if isinstance(value, UserError):
+            print(f"error: {value}", file=sys.stderr)
+        else:
+            previous(kind, value, tb)
+
+    hook.selfspec = True
+    sys.excepthook = hook
+
 
 def register() -> None:
     from selfspec.sglang_ext.cpu_compat import install_cpu_compat
     from selfspec.sglang_ext.cpu_defaults import choose_cpu_engine
 
     choose_cpu_engine()  # no accelerator and no CPU switch: the CPU engine (flags: cli_args)
+    _user_errors_in_one_line()
 
     install_cpu_compat()
     from selfspec.sglang_ext.cpu_compat import distributed
