@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from selfspec.errors import UserError
-from selfspec.models import resolve_with_adapter
+from selfspec.models import EMBEDDED_MODELS, resolve_with_adapter
 
 SMALL_CPU_CORES = 4
 
@@ -114,9 +114,13 @@ class ServerSpec:
         if importlib.util.find_spec("sglang") is None:
             raise ServeError(
                 "SGLang is not installed in this Python environment. Run `make setup` "
-                "(CPU development venv) or `pip install 'selfspec[gpu]'` (GPU), then retry."
+                "(CPU development venv) or `pip install '/path/to/selfspec[gpu]'` (GPU), then retry."
             )
-        model_path, adapter = resolve_with_adapter(self.model)
+        from selfspec.sglang_ext.checkpoint_files import is_repo_id
+
+        hub_name = is_repo_id(self.model) and self.model not in EMBEDDED_MODELS
+        # a Hub name goes to SGLang as it is: it resolves it through the Hub cache, as the plugin does
+        model_path, adapter = (self.model, None) if hub_name else resolve_with_adapter(self.model)
         extra = list(self.extra_args)
         if adapter is not None:
             extra = _adapter_args(adapter, model_path, extra)
@@ -127,8 +131,9 @@ class ServerSpec:
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
                 "--host", self.host, "--port", str(self.port)]
         env = dict(os.environ)
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        if not hub_name:  # a local checkpoint: nothing to fetch (a Hub name may need the Hub)
+            env.setdefault("HF_HUB_OFFLINE", "1")
+            env.setdefault("TRANSFORMERS_OFFLINE", "1")
         from selfspec.sglang_ext.cpu_defaults import CPU_ENGINE_ENV, accelerator_present, cli_defaults
 
         # the plugin's rule for a bare launch, so both choose the CPU on the same machines
