@@ -106,7 +106,8 @@ def test_a_user_override_is_kept_beside_the_causal_class(offline_hub, monkeypatc
 def test_sdar_that_is_not_causal_or_needs_remote_code_is_refused(offline_hub, monkeypatch):
     problem = _fails(offline_hub["sdar_blocks"], "--speculative-algorithm", "ISD", "--trust-remote-code")
     assert "block-diffusion model (block_size 4, no use_regular_causal)" in problem and "--dllm-algorithm" in problem
-    flagged = pl.make_sdar(offline_hub["hf_home"].parent / "flagged", causal={"block_size": 4, "use_regular_causal": True})
+    flagged = pl.make_sdar(offline_hub["hf_home"].parent / "flagged",
+                           causal={"block_size": 4, "use_regular_causal": True})
     _, cfg = _resolved(monkeypatch, flagged, "--speculative-algorithm", "ISD", "--trust-remote-code")
     assert cfg.architecture == "Qwen3ForCausalLM"
     assert "add --trust-remote-code" in _fails(SDAR_HUB, "--speculative-algorithm", "ISD")

@@ -49,7 +49,8 @@ def local_dir(model_path: str | Path, revision: str | None = None, files: str = 
         return Path(snapshot_download(name, revision=revision, allow_patterns=patterns, local_files_only=offline))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
         rev = f" --revision {revision}" if revision else ""
-        why = "HF_HUB_OFFLINE is set and it is not in the cache" if offline else f"it could not be fetched ({type(e).__name__})"
+        why = ("HF_HUB_OFFLINE is set and it is not in the cache" if offline
+               else f"it could not be fetched ({type(e).__name__})")
         raise CheckpointNotFound(
             f"--model-path {name}{' at revision ' + revision if revision else ''}: {why} "
             f"({constants.HF_HUB_CACHE}). Download it first: `hf download {name}{rev}` "

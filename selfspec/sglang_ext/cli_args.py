@@ -35,9 +35,10 @@ def add_selfspec_args(parser: argparse.ArgumentParser) -> None:
         "selfspec", f"Self-speculative decoding (--speculative-algorithm {' | '.join(registry.SGLANG_ALGORITHMS)}). "
         "Defaults come from the checkpoint's selfspec.json, then the mode's defaults.")
     g.add_argument("--selfspec-config", default=None, metavar="FILE.yaml",
-                   help="mode options in one YAML file (presets: serving_configs/*.yaml), or I-DLM's own algorithm "
-                   "config (idlm_blockN4_config.yaml: gen_block_size is the stride, verify_alpha the relaxed "
-                   "acceptance, its sampling keys the server's defaults); flags below override it")
+                   help="mode options in one YAML file (examples: the repository's serving_configs/*.yaml), or "
+                   "I-DLM's own algorithm config (idlm_blockN4_config.yaml: gen_block_size is the stride, "
+                   "verify_alpha the relaxed acceptance, its sampling keys the server's defaults); flags below "
+                   "override it")
     g.add_argument("--selfspec-preset", default=None, choices=sorted(PRESETS),
                    help="the decoding settings a published checkpoint family recommends: "
                    + "; ".join(f"{k}: {p.summary}" for k, p in PRESETS.items())

@@ -108,7 +108,8 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
 
     p = Path(path).expanduser()
     if not p.is_file():
-        raise _err(f"--selfspec-config {path}: no such file (presets live in serving_configs/)")
+        raise _err(f"--selfspec-config {path}: no such file (example files: serving_configs/ in the selfspec "
+                   "repository; the settings a published checkpoint family recommends: --selfspec-preset)")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
