@@ -39,11 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from selfspec.decoding.repetition import is_repetition_loop
+from selfspec.benchmarks.repetition import is_repetition_loop
 from selfspec.benchmarks.serve import level_sizes
-from selfspec.decoding.corpus import SharedCorpus
-from selfspec.decoding.draft_length import RecentAcceptance
-from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, WEAK_MATCH_CAPS, SuffixIndex
+from selfspec.decoding.modes.corpus import SharedCorpus
+from selfspec.decoding.widths.draft_length import RecentAcceptance
+from selfspec.decoding.modes.ngram import CONTEXT_MATCH_SIZES, WEAK_MATCH_CAPS, SuffixIndex
 from selfspec.decoding.step import DecodeSequence
 
 #: SGLang's NGRAM defaults (server_args / ngram_worker): draft tokens incl. the root, trie depth
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in args.tokens.split(",")]
     except ValueError:
         p.error("--concurrency and --tokens take comma-separated integers, e.g. 1,4,16")
-    from selfspec.prompt_sets import SET_NAMES
+    from selfspec.prompts import SET_NAMES
 
     sets = args.prompts.split(",")
     for name in sets:
@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from selfspec.prompt_sets import load_prompts
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.prompts import load_prompts
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
 
     sizes = level_sizes(levels, args.num_prompts)

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from selfspec.models import resolve_model
-    from selfspec.prompt_sets import HELDOUT_PROMPTS
+    from selfspec.prompts import HELDOUT_PROMPTS
 
     base = resolve_model("tiny-base")
     tok = AutoTokenizer.from_pretrained(str(base))

@@ -40,9 +40,9 @@ if not CUDA and not COMPILE_CHECK:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from selfspec.decoding import rng  # noqa: E402
-from selfspec.decoding.sampling import logits_to_probs  # noqa: E402
-from selfspec.decoding.verify import (  # noqa: E402
+from selfspec.decoding.requests import rng  # noqa: E402
+from selfspec.decoding.requests.sampling import logits_to_probs  # noqa: E402
+from selfspec.decoding.modes.verify import (  # noqa: E402
     greedy_verify_candidates_reference,
     greedy_verify_reference,
     speculative_verify_reference,

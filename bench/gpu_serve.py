@@ -148,7 +148,7 @@ def burst(url: str, prompts: list[list[int]], max_new: int, concurrency: int) ->
 def embedded_adapter_for(model: Path) -> Path | None:
     """tiny-idlm-lora when `model` is the base it was trained on (same weights hash)."""
     from selfspec.models import ASSETS_DIR
-    from selfspec.decoding.metadata import weights_sha256 as checkpoint_sha256
+    from selfspec.checkpoints.metadata import weights_sha256 as checkpoint_sha256
 
     adapter = ASSETS_DIR / "tiny-idlm-lora"
     meta_file = adapter / "selfspec.json"
@@ -171,8 +171,8 @@ def make_random_lora(model: Path, out: Path) -> Path | None:
     cfg = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     get_peft_model(base, cfg).save_pretrained(str(out))
-    from selfspec.decoding.metadata import write_metadata
-    from selfspec.decoding.metadata import weights_sha256 as checkpoint_sha256
+    from selfspec.checkpoints.metadata import write_metadata
+    from selfspec.checkpoints.metadata import weights_sha256 as checkpoint_sha256
 
     write_metadata(out, {"mode": "RISD", "base_model": str(model),
                          "lora": {"rank": 8, "base_sha256": checkpoint_sha256(model)}})
@@ -241,7 +241,7 @@ def main() -> int:
 
     from selfspec.benchmarks.serve import mode_server_args
     from selfspec.models import resolve_model
-    from selfspec.prompt_sets import HELDOUT_PROMPTS
+    from selfspec.prompts import HELDOUT_PROMPTS
 
     model = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(model))

@@ -39,7 +39,7 @@ def main() -> None:
     import torch
     from tqdm import tqdm
 
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.grammar import XGrammar
     from selfspec.engines.hf import HFEngine
     from selfspec.models import resolve_model

@@ -5,7 +5,7 @@
         [--arms progressive:nc,progressive:nc_ic,progressive:cllm,random:nc,reverse:nc] [--json OUT]
 
 Every arm trains tiny-base for the same number of steps with the recipe's settings (block 8,
-window 8, lr, batch of `selfspec.training.jf_recipe.RECIPE`) and the loss weights the ablation
+window 8, lr, batch of `selfspec.training.jacobi_forcing.recipe.RECIPE`) and the loss weights the ablation
 was run with (AR CE 1, anchor 4 to the starting model, `LOSS`), only the noise
 schedule and the mask changing, then reports its held-out signals (one-step Jacobi gain,
 accuracy after the first error, consistency KL, AR perplexity) and its plain-Jacobi TPF (n = 8,
@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from selfspec.engines.hf import HFEngine
-    from selfspec.prompt_sets import load_prompt_set
-    from selfspec.training.jacobi_forcing import JFObjective
-    from selfspec.training.jf_recipe import PLAIN, RECIPE, _jacobi_row
+    from selfspec.prompts import load_prompt_set
+    from selfspec.training.jacobi_forcing.objective import JFObjective
+    from selfspec.training.jacobi_forcing.recipe import PLAIN, RECIPE, _jacobi_row
     from selfspec.training.loop import train
     from selfspec.training.recipes import HELDOUT_PROMPTS
 

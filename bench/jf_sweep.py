@@ -34,7 +34,7 @@ PPL_LIMIT = 0.10  # the recipe's bound on the perplexity change: at most 1.10x t
 
 
 def mr_options(block_size: int) -> dict:
-    from selfspec.training.jf_recipe import RECIPE
+    from selfspec.training.jacobi_forcing.recipe import RECIPE
 
     return {"block_size": block_size, "max_blocks": RECIPE.serve_max_blocks, "verify_size": RECIPE.serve_verify_size,
             "spawn_ratio": RECIPE.serve_spawn_ratio}
@@ -42,9 +42,9 @@ def mr_options(block_size: int) -> dict:
 
 def measure_point(engine, prompt_sets: dict[str, list[list[int]]], options: dict) -> dict:
     """The recipe's signals of one model: perplexity, and per prompt set loop rate and MR TPF."""
-    from selfspec.decoding.repetition import is_repetition_loop
+    from selfspec.benchmarks.repetition import is_repetition_loop
     from selfspec.training.evaluate import heldout_ar_perplexity
-    from selfspec.training.jf_recipe import _jacobi_row
+    from selfspec.training.jacobi_forcing.recipe import _jacobi_row
 
     engine.model.eval()
     row = {"heldout_ar_perplexity": heldout_ar_perplexity(engine.model, engine.tokenizer)["heldout_perplexity"],
@@ -143,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from selfspec.engines.hf import HFEngine
-    from selfspec.training.jacobi_forcing import JFObjective, parse_rounds
-    from selfspec.training.jf_recipe import RECIPE
+    from selfspec.training.jacobi_forcing.objective import JFObjective, parse_rounds
+    from selfspec.training.jacobi_forcing.recipe import RECIPE
     from selfspec.training.loop import train
     from selfspec.training.recipes import HELDOUT_PROMPTS, measure_prompts
-    from selfspec.training.trajectories import is_complete
+    from selfspec.training.jacobi_forcing.trajectories import is_complete
 
     if not is_complete(Path(args.trajectories)):
         parser.error(f"--trajectories {args.trajectories} is not a finished trajectory directory; collect it with "

@@ -1,5 +1,5 @@
 """Host cost of a sampled verify's pieces on the CPU: the full-vocabulary hash, uniform and
-race_argmax of `selfspec.decoding.rng`, `speculative_verify_reference` at one draft, and AR
+race_argmax of `selfspec.decoding.requests.rng`, `speculative_verify_reference` at one draft, and AR
 sampling's draw beside them, at V = 8192 (tiny-idlm's vocabulary) and one thread:
 
     python bench/verify_host_cost.py [--vocab 8192] [--batches 1,4,16,32] [--repeat 200]
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from selfspec.decoding import rng
-from selfspec.decoding.sampling import logits_to_probs, sample_from_probs
-from selfspec.decoding.verify import speculative_verify_reference
+from selfspec.decoding.requests import rng
+from selfspec.decoding.requests.sampling import logits_to_probs, sample_from_probs
+from selfspec.decoding.modes.verify import speculative_verify_reference
 
 
 def _median_us(fn, repeat: int) -> float:

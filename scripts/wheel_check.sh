@@ -85,7 +85,7 @@ print(f"wheel-check: import selfspec -> {selfspec.__file__}; one sglang.srt.plug
 EOF
 "$selfspec" models
 "$py" -c '
-from selfspec.prompt_sets import HELDOUT_PROMPTS, SET_NAMES, load_prompt_set
+from selfspec.prompts import HELDOUT_PROMPTS, SET_NAMES, load_prompt_set
 sets = {name: len(load_prompt_set(name)) for name in SET_NAMES}
 sets["heldout"] = len(load_prompt_set(str(HELDOUT_PROMPTS)))
 print("wheel-check: prompt sets", sets)

@@ -29,7 +29,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from selfspec.decoding import registry
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
 
     # everything a flag can get wrong is checked before the model loads
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = train.add_parser("tiny-base", help="train the embedded tokenizer + ~5M-parameter Qwen3 on the stdlib sources",
                          description="Trains a byte-level BPE tokenizer and a Qwen3-architecture causal LM on this "
                          "interpreter's standard-library sources and exports bf16 safetensors with provenance.json.")
-    from selfspec.training import idlm, recipes, tiny_base
+    from selfspec.training import recipes, tiny_base
+    from selfspec.training.idlm import objective as idlm
 
     tiny_base.add_arguments(p)
     p.set_defaults(func=tiny_base.run)
@@ -140,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         recipes.add_arguments(p)
         p.set_defaults(func=recipes.run, recipe=name)
 
-    from selfspec.training import jacobi_forcing, jf_recipe, trajectories
+    from selfspec.training.jacobi_forcing import objective as jacobi_forcing
+    from selfspec.training.jacobi_forcing import recipe as jf_recipe
+    from selfspec.training.jacobi_forcing import trajectories
 
     _add_command(train, "jf", "Jacobi Forcing: train a causal LM on its own Jacobi trajectories (for JACOBI)",
                  jacobi_forcing)
@@ -148,20 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
                  trajectories)
     _add_command(train, jf_recipe.NAME, f"rebuild the embedded {jf_recipe.NAME} from its committed recipe", jf_recipe)
 
-    from selfspec.training import image_gpt, image_tokenizer
+    from selfspec.images import gpt as image_gpt
+    from selfspec.images import tokenizer as image_tokenizer
 
     _add_command(train, "mnist-vq", "fit the image tokenizer (2x2 patch k-means, 256 codes) on the real digits",
                  image_tokenizer)
     _add_command(train, "image-gpt", "train a class-conditional image-token GPT on the real digits", image_gpt)
-    from selfspec.training import opd
+    from selfspec.images import opd
 
     _add_command(train, "opd", "visual on-policy distillation (GKD / VarKD-style) with an AR or HB-SJD rollout backend",
                  opd)
-    from selfspec.training import opd_compare
+    from selfspec.images import opd_compare
 
     _add_command(train, "opd-compare", "the OPD comparison run: the same distillation with AR and with HB-SJD rollouts",
                  opd_compare)
-    from selfspec.training import image_eval
+    from selfspec.images import evaluate as image_eval
 
     p = train.add_parser("digits-classifier", help="train the digits CNN whose features give FID / IS / precision / recall",
                          description=image_eval.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         image_gpt.add_recipe_arguments(p)
         p.set_defaults(func=image_gpt.run_recipe, recipe=name)
 
-    from selfspec import images
+    from selfspec.images import generate as images
 
     _add_command(sub, "generate-image", "sample digits from an image-token model (cached AR or HB-SJD) as a PNG grid",
                  images)
@@ -192,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_command(bench, "offline", "offline decoding benchmark on the HF engine (TPF, tok/s, ratio to AR)", offline)
     _add_command(bench, "serve", "served benchmark: each mode's SGLang server under load (tok/s, TPOT, TPF)", serve)
-    from selfspec.benchmarks import rollout
+    from selfspec.images import bench as rollout
 
     _add_command(bench, "rollout", "image rollouts: cached AR, Batch-Synchronous SJD, HB-SJD Full / Compact / Hybrid",
                  rollout)
@@ -200,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     from selfspec.tuning import command as tune
 
     _add_command(sub, "tune", "measure this machine's cost model and write a per-batch-size width plan", tune)
-    from selfspec.training import gamma
+    from selfspec.images import gamma
 
     _add_command(sub, "calibrate-gamma", "measure where Hybrid image rollouts switch from Full to Compact (γ)", gamma)
     return parser

@@ -53,7 +53,7 @@ ROWS = (
 
 def burst_prompts(offset: int) -> list[str]:
     """BURST prompts of the `eval` set from `offset`, each asked in one burst only."""
-    from selfspec.prompt_sets import load_prompt_set
+    from selfspec.prompts import load_prompt_set
 
     return load_prompt_set("eval")[offset : offset + BURST]
 
@@ -121,7 +121,7 @@ def _serve(model: str, label: str, args: list[str], prompts: list[str], max_toke
 
 
 def _show_answers(tok, prompts: list[str], answers: list[list[int]]) -> None:
-    from selfspec.decoding.repetition import is_repetition_loop
+    from selfspec.benchmarks.repetition import is_repetition_loop
 
     loops = [is_repetition_loop(a) for a in answers]
     shown = [i for i in range(len(prompts)) if not loops[i]][:2] or [0]

@@ -4,7 +4,7 @@ anything else is a bug and keeps its traceback.
 
 Subclasses say where the problem was found: `UsageError` (command-line flags and data paths),
 `selfspec.models.ModelNotFoundError`, `selfspec.decoding.step.ModeUnavailable`,
-`selfspec.decoding.metadata.MetadataError`, `selfspec.serving.ServeError`,
+`selfspec.checkpoints.metadata.MetadataError`, `selfspec.serving.ServeError`,
 `selfspec.sglang_ext.config.SelfSpecConfigError`.
 """
 

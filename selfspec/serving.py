@@ -116,7 +116,7 @@ class ServerSpec:
                 "SGLang is not installed in this Python environment. Run `make setup` "
                 "(CPU development venv) or `pip install '/path/to/selfspec[gpu]'` (GPU), then retry."
             )
-        from selfspec.sglang_ext.checkpoint_files import is_repo_id
+        from selfspec.checkpoints.files import is_repo_id
 
         hub_name = is_repo_id(self.model) and self.model not in EMBEDDED_MODELS
         # a Hub name goes to SGLang as it is: it resolves it through the Hub cache, as the plugin does

@@ -55,7 +55,7 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-from selfspec.prompt_sets import HELDOUT_PROMPTS  # noqa: E402
+from selfspec.prompts import HELDOUT_PROMPTS  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +87,7 @@ MICRO_STEPS = 20
 
 
 def _stdlib_texts(names: list[str]) -> list[str]:
-    from selfspec.training.corpus import stdlib_root
+    from selfspec.corpus import stdlib_root
 
     return [(stdlib_root() / n).read_text() for n in names]
 
@@ -131,7 +131,7 @@ def micro_config(micro_dir, data_file):
 
 
 def _micro_config(micro_dir, data_file, out, **kw):
-    from selfspec.training.idlm import IDLMConfig
+    from selfspec.training.idlm.objective import IDLMConfig
 
     base = dict(base=str(micro_dir), out=str(out), stride=3, curriculum=[2, 3], data=[str(data_file)],
                 seq_len=48, batch_size=4, steps=MICRO_STEPS, lr=3e-3, warmup_ratio=0.1, eval_every=0,
@@ -143,7 +143,7 @@ def _micro_config(micro_dir, data_file, out, **kw):
 @pytest.fixture
 def buckets_used(monkeypatch):
     """(batch size, bucket mode object) of every step a width plan's mode runs."""
-    import selfspec.decoding.planned_mode as planned_mode
+    import selfspec.decoding.widths.planned_mode as planned_mode
 
     seen: list = []
     original = planned_mode.PlannedMode.layouts

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from selfspec.decoding.logits_rules import apply_logits_rules
-from selfspec.decoding.sampling import SamplingParams, logits_to_probs
+from selfspec.decoding.requests.logits_rules import apply_logits_rules
+from selfspec.decoding.requests.sampling import SamplingParams, logits_to_probs
 from selfspec.decoding.step import DecodeSequence
 
 

@@ -264,7 +264,7 @@ def reference_engine(model_path: str):
 
 
 def ruled_logprob_reference(heldout_ids: list[list[int]], model_path) -> list[float]:
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
 
     i, extra = RULED_LOGPROB_REQUEST
     engine = reference_engine(str(model_path))[0]
@@ -632,7 +632,7 @@ def reference_engine_greedy(request: dict, heldout_ids: list[list[int]], model_p
     """The HF reference engine's greedy answer to a fuzzed request (its logits rules token by
     token, its grammar through xgrammar; stop strings not applied, so a server's answer that a
     stop string ended is a prefix of it)."""
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.grammar import XGrammar
 
     engine, tok, stops = reference_engine(str(model_path))
@@ -729,8 +729,8 @@ def make_random_lora(base: Path, out: Path, rank: int = 8, seed: int = 0, base_s
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     peft_model = get_peft_model(model, cfg)
     peft_model.save_pretrained(str(out))
-    from selfspec.decoding.metadata import write_metadata
-    from selfspec.decoding.metadata import weights_sha256 as checkpoint_sha256
+    from selfspec.checkpoints.metadata import write_metadata
+    from selfspec.checkpoints.metadata import weights_sha256 as checkpoint_sha256
 
     write_metadata(out, {"mode": "RISD", "base_model": str(base),
                          "lora": {"rank": rank, "targets": list(cfg.target_modules),

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from selfspec.benchmarks import offline
-from selfspec.decoding.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
+from selfspec.benchmarks.repetition import OutputStat, non_loop_summary, set_ratio_vs_ar
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.engines.generate import GenerationOutput
 from model_helpers import save_random_adapter, tiny_qwen3

@@ -127,8 +127,8 @@ def test_the_prompt_sets_are_disjoint_and_fill_the_readme_levels():
     """A prompt asked twice lets every lookup method (NGRAM, context candidates) replay the first
     answer; the README's runs (levels 1, 4, 16, 32 with 32 prompts each) must fit every set, and
     nothing fitted on `tune` may be measured on `eval`."""
-    from selfspec.prompt_sets import SET_NAMES, load_prompt_set
-    from selfspec.training.prompts import SPLIT_COUNT, split_prompts
+    from selfspec.prompts import SET_NAMES, load_prompt_set
+    from selfspec.prompts import SPLIT_COUNT, split_prompts
 
     sets = {name: load_prompt_set(name) for name in SET_NAMES}
     for name, texts in sets.items():
@@ -140,7 +140,7 @@ def test_the_prompt_sets_are_disjoint_and_fill_the_readme_levels():
 
 
 def test_a_bad_prompt_set_is_named(tmp_path):
-    from selfspec.prompt_sets import load_prompt_set
+    from selfspec.prompts import load_prompt_set
     from selfspec.errors import UsageError
 
     with pytest.raises(UsageError, match="no such file.*tune, eval, humaneval"):

@@ -10,17 +10,17 @@ from collections import Counter
 import pytest
 import torch
 
-import selfspec.decoding.isd as isd
-import selfspec.decoding.ngram as ngram
-import selfspec.decoding.sjd as sjd
-from selfspec.decoding import rng
-from selfspec.decoding.isd import build_tree_layout
-from selfspec.decoding.corpus import SharedCorpus
-from selfspec.decoding.ngram import SuffixIndex
-from selfspec.decoding.sampling import SamplingParams
+import selfspec.decoding.modes.isd as isd
+import selfspec.decoding.modes.ngram as ngram
+import selfspec.decoding.modes.sjd as sjd
+from selfspec.decoding.requests import rng
+from selfspec.decoding.modes.isd import build_tree_layout
+from selfspec.decoding.modes.corpus import SharedCorpus
+from selfspec.decoding.modes.ngram import SuffixIndex
+from selfspec.decoding.requests.sampling import SamplingParams
 from selfspec.decoding.step import DecodeSequence, branch_visibility
-from selfspec.decoding.tree_verify import DraftPath, PathResult, verify_paths
-from selfspec.decoding.verify import speculative_verify_reference
+from selfspec.decoding.modes.tree_verify import DraftPath, PathResult, verify_paths
+from selfspec.decoding.modes.verify import speculative_verify_reference
 from selfspec.engines.hf import HFEngine
 from model_helpers import (
     add_mask_token, chi_square_pvalue, compare_greedy, exact_distribution, random_prompts, save_random_adapter,
@@ -223,7 +223,7 @@ def test_repeated_span_takes_fewer_forwards(mode):
 
 # ------------------------------------------------------------------ the corpus across requests
 def test_corpus_continues_what_most_occurrences_agree_on_and_forgets_the_oldest():
-    from selfspec.decoding.corpus import OCCURRENCES
+    from selfspec.decoding.modes.corpus import OCCURRENCES
 
     corpus = SharedCorpus(capacity=24)
     a, b, c = corpus.open(), corpus.open(), corpus.open()
@@ -252,8 +252,8 @@ def test_the_longest_match_picks_the_continuation_and_a_hash_collision_drafts_no
     corpus of many requests a 2-gram recurs everywhere and its latest occurrence is often the
     wrong text. The corpus indexes hashes of m-grams; an entry whose text differs (a collision)
     gives no candidate: two m-grams under one hash each find their own continuation."""
-    import selfspec.decoding.corpus as corpus_mod
-    from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES
+    import selfspec.decoding.modes.corpus as corpus_mod
+    from selfspec.decoding.modes.ngram import CONTEXT_MATCH_SIZES
 
     corpus = SharedCorpus()
     a, b = corpus.open(), corpus.open()
@@ -278,7 +278,7 @@ def test_a_continuation_that_ends_early_is_chained_on_and_a_lone_token_still_dra
     """A match at the end of a document another request is still writing offers fewer tokens
     than asked: the candidate goes on from the suffix of history + candidate. Where no 2-gram
     recurs, the last token alone (length 1, as SGLang's NGRAM matches) still finds a candidate."""
-    from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES
+    from selfspec.decoding.modes.ngram import CONTEXT_MATCH_SIZES
 
     corpus = SharedCorpus()
     a, b = corpus.open(), corpus.open()
@@ -297,7 +297,7 @@ def test_a_weak_match_drafts_a_short_candidate():
     short, one found by a long suffix of the request's own text is not; the caps are a mode
     option (`context_caps`, off by default), and without them the same lookups draft the full
     length."""
-    from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES, WEAK_MATCH_CAPS, NgramConfig, context_index
+    from selfspec.decoding.modes.ngram import CONTEXT_MATCH_SIZES, WEAK_MATCH_CAPS, NgramConfig, context_index
 
     def lookup(caps: bool) -> NgramConfig:
         return NgramConfig(16, CONTEXT_MATCH_SIZES, corpus=True, caps=caps)
@@ -313,7 +313,7 @@ def test_a_weak_match_drafts_a_short_candidate():
     own = DecodeSequence(loop * 2)  # a 10-token own suffix recurs: a strong match
     strong = context_index(own, lookup(True), corpus)
     assert strong.propose(own.history, 16) == (loop * 2)[:16]
-    from selfspec.decoding.isd import ISDConfig, ISDMode
+    from selfspec.decoding.modes.isd import ISDConfig, ISDMode
 
     for caps in (False, True):
         seq = DecodeSequence([1, 2, 3])
@@ -324,7 +324,7 @@ def test_a_weak_match_drafts_a_short_candidate():
 def test_a_requests_draft_length_follows_its_recent_acceptance():
     """`draft_length.RecentAcceptance`: the first draft is full length, a miss shortens the next
     ones, drafts accepted whole grow the limit back to full; never past full, never below 1."""
-    from selfspec.decoding.draft_length import RecentAcceptance
+    from selfspec.decoding.widths.draft_length import RecentAcceptance
 
     recent = RecentAcceptance(16)
     assert recent.limit() == 16
@@ -415,7 +415,7 @@ def test_a_step_of_chains_only_hands_its_logits_on_uncopied():
     from types import SimpleNamespace
 
     from selfspec.decoding.step import StepContext
-    from selfspec.decoding.tree_verify import finish_split
+    from selfspec.decoding.modes.tree_verify import finish_split
 
     logits = torch.randn(3, 4, 8)
     ctx = StepContext.from_params([SamplingParams()] * 3, torch.zeros(3, 5, dtype=torch.long))

@@ -110,7 +110,7 @@ def test_modes_progress_independently_in_a_batch(setup):
 def test_jacobi_blocks_spawn_and_promote_during_decoding(setup, monkeypatch):
     """The multi-block machinery really runs: pseudo-active blocks are spawned and promoted,
     pool candidates win steps, and the output is still greedy AR's."""
-    import selfspec.decoding.jacobi as jacobi
+    import selfspec.decoding.modes.jacobi as jacobi
 
     events = {"spawn": 0, "promote": 0, "candidate_wins": 0}
     original = jacobi.update_blocks

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.decoding.isd import ISDConfig, ISDMode, ISDState, build_layout, consume
-from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.modes.isd import ISDConfig, ISDMode, ISDState, build_layout, consume
+from selfspec.decoding.requests.sampling import SamplingParams
 from selfspec.decoding.step import DecodeSequence, StepContext, collate
 from selfspec.engines.hf import HFEngine
 from model_helpers import add_mask_token, random_prompts, tiny_qwen3

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from selfspec.decoding.argmax import first_argmax
-from selfspec.decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from selfspec.decoding.verify import speculative_verify_reference as speculative_verify
+from selfspec.decoding.requests.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from selfspec.decoding.modes.verify import speculative_verify_reference as speculative_verify
 from selfspec.engines.hf import HFEngine
 from model_helpers import (
     add_mask_token, chi_square_pvalue, exact_distribution, save_random_adapter, tiny_qwen3, total_variation,
@@ -42,7 +42,7 @@ def test_a_draw_rounded_past_the_total_takes_the_last_token_with_mass(monkeypatc
     """u * total can round up to the total, past every token's interval: the draw must go to the
     last token that has probability, never to a zero-probability one, and draws inside the
     intervals are unaffected."""
-    from selfspec.decoding import rng
+    from selfspec.decoding.requests import rng
 
     probs = torch.tensor([[0.2, 0.8, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]])
     seeds = torch.tensor([1, 2, 3])
@@ -91,7 +91,7 @@ def _verify_as_written(target_logits, draft_tokens, num_drafts, seeds, temperatu
     """The speculative verify rule with every step spelled out (one-hot q built over V, the
     acceptance's u * q and (1 + tau) * p always multiplied, both selections by torch.where): the
     reference takes exact shortcuts through it and must keep its every output."""
-    from selfspec.decoding import rng
+    from selfspec.decoding.requests import rng
 
     bsz, depth = draft_tokens.shape
     tau_b = torch.as_tensor(tau, dtype=torch.float32).expand(bsz)
@@ -127,7 +127,7 @@ def test_verify_reference_keeps_the_rule_as_written(proposal):
     """Random batches (depth 0-4, padded rows, scalar and per-row tau, filters, near-certain
     drafts that get accepted, drafts with q == p whose residual vanishes): the reference's
     tokens equal the rule's written out."""
-    from selfspec.decoding import rng
+    from selfspec.decoding.requests import rng
 
     gen = torch.Generator().manual_seed(len(proposal))
     for trial in range(60):
@@ -263,7 +263,7 @@ def test_an_unfiltered_row_keeps_its_bits_beside_a_filtered_one():
     """A row without top-k / top-p / min-p gets the same probabilities, bit for bit, alone and in
     a batch with a filtered row: a seeded sampled request must draw the same in any batch (the
     SJD mixed burst of tests/test_sglang_sjd.py diverged here before)."""
-    from selfspec.decoding.sampling import logits_to_probs
+    from selfspec.decoding.requests.sampling import logits_to_probs
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 200, generator=g) * 3

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from selfspec.decoding.argmax import first_argmax
-from selfspec.decoding.jacobi import Block, JacobiConfig, JacobiState, build_layout, pseudo_verify, update_blocks
-from selfspec.decoding.metadata import MetadataError, SelfspecMetadata, load_metadata, resolve_mask_token_id, write_metadata
+from selfspec.decoding.modes.jacobi import Block, JacobiConfig, JacobiState, build_layout, pseudo_verify, update_blocks
+from selfspec.checkpoints.metadata import MetadataError, SelfspecMetadata, load_metadata, resolve_mask_token_id, write_metadata
 from selfspec.decoding.metrics import SequenceMetrics, aggregate
 from selfspec.decoding import registry
 from selfspec.decoding.registry import parse_mode_config, parse_option_string
-from selfspec.decoding.ngram import SuffixIndex, propose_ngram
-from selfspec.decoding.ngram_pool import NgramPool
+from selfspec.decoding.modes.ngram import SuffixIndex, propose_ngram
+from selfspec.decoding.modes.ngram_pool import NgramPool
 from selfspec.decoding.progress import SequenceProgress
-from selfspec.decoding.seeds import base_seeds, step_seeds
-from selfspec.decoding.sjd import history_drafts, next_window
+from selfspec.decoding.requests.seeds import base_seeds, step_seeds
+from selfspec.decoding.modes.sjd import history_drafts, next_window
 from selfspec.decoding.step import StepLayout, collate
 from selfspec.engines.kv_cache import SlotKVCache, step_attention_mask
 
@@ -230,7 +230,7 @@ def test_metadata_describes_every_checkpoint_kind(tmp_path):
 
 
 def registry_jacobi():
-    from selfspec.decoding.metadata import JacobiMetadata
+    from selfspec.checkpoints.metadata import JacobiMetadata
 
     return JacobiMetadata(block_size=16, max_blocks=2, spawn_ratio=0.85, verify_size=4)
 
@@ -324,7 +324,7 @@ def test_step_mask_sees_committed_prefix_and_layout():
 # ------------------------------------------------------------------------------ counter-based RNG
 def _tensor_path(fn, *args):
     """Run `fn` with the small-draw Python path switched off (the tensor path for every size)."""
-    from selfspec.decoding import rng
+    from selfspec.decoding.requests import rng
 
     saved, rng.SMALL_DRAW = rng.SMALL_DRAW, -1
     try:
@@ -335,7 +335,7 @@ def _tensor_path(fn, *args):
 
 @pytest.mark.parametrize("seed_shape,offset_shape", [((5,), (5,)), ((3, 1), (1, 7)), ((), ()), ((1,), (40,))])
 def test_small_draws_hash_the_same_bits_as_the_tensor_path(seed_shape, offset_shape):
-    from selfspec.decoding import rng
+    from selfspec.decoding.requests import rng
 
     g = torch.Generator().manual_seed(len(seed_shape) * 10 + len(offset_shape))
     seed = torch.randint(0, 1 << 31, seed_shape, generator=g)
@@ -358,7 +358,7 @@ def test_small_draws_hash_the_same_bits_as_the_tensor_path(seed_shape, offset_sh
 def test_race_argmax_draws_the_gumbel_max_winner():
     """The exponential-race form picks the token log w + gumbel picks (the Triton kernels' form)
     and never a zero-weight token."""
-    from selfspec.decoding import rng
+    from selfspec.decoding.requests import rng
 
     g = torch.Generator().manual_seed(3)
     weights = torch.softmax(torch.randn(400, 64, generator=g) * 3, -1)
@@ -375,7 +375,7 @@ def test_tensor_hash_and_uniform_are_hash_int(monkeypatch, path):
     """The [B, V] hash (numpy uint32 on the CPU, int32 tensors elsewhere: "torch" runs that one
     here) gives `hash_int`'s bits for seeds and offsets over the whole int64 range (>= 2^31,
     negative), and uniform is (hash >> 9 + 0.5) / 2^23 of them."""
-    from selfspec.decoding import rng
+    from selfspec.decoding.requests import rng
 
     if path == "torch":
         monkeypatch.setattr(rng, "_on_cpu", lambda *tensors: False)
@@ -397,7 +397,7 @@ def test_tensor_hash_and_uniform_are_hash_int(monkeypatch, path):
 def test_race_argmax_is_first_argmax_of_the_race_formula(monkeypatch, path):
     """race_argmax == first_argmax(w / -log(uniform(seed, v + 1))) bit for bit, on weights with
     ties and zeros (float32 and float64, [B, V] and [V]); the uniforms checked against `hash_int`."""
-    from selfspec.decoding import rng
+    from selfspec.decoding.requests import rng
 
     if path == "torch":
         monkeypatch.setattr(rng, "_on_cpu", lambda *tensors: False)

@@ -14,7 +14,7 @@ import torch
 from selfspec.decoding.metrics import aggregate
 from selfspec.engines.hf import HFEngine
 from selfspec.models import ASSETS_DIR, resolve_with_adapter
-from selfspec.decoding.metadata import weights_sha256
+from selfspec.checkpoints.metadata import weights_sha256
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

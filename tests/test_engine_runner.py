@@ -106,7 +106,7 @@ def test_engine_leaves_the_callers_train_state_alone(model, prompts):
 
 
 def test_verify_implementation_is_chosen_when_the_engine_is_built(model, prompts, monkeypatch):
-    from selfspec.decoding.verify import greedy_verify_reference
+    from selfspec.decoding.modes.verify import greedy_verify_reference
 
     monkeypatch.setenv("SELFSPEC_KERNELS", "reference")
     engine = HFEngine(model, mask_token_id=model.mask_id)

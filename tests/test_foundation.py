@@ -12,7 +12,7 @@ import pytest
 
 from selfspec.models import ModelNotFoundError, resolve_model
 from selfspec.serving import ServeError, ServerSpec, free_port
-from selfspec.training.corpus import is_heldout, iter_stdlib_files, load_stdlib_split
+from selfspec.corpus import is_heldout, iter_stdlib_files, load_stdlib_split
 from selfspec.training.tokenizer import EOS_TOKEN, IM_END, IM_START, MASK_TOKEN
 
 

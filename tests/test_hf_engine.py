@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.requests.sampling import SamplingParams
 from selfspec.decoding.step import ModeUnavailable
 from selfspec.engines.hf import GenerationOutput, HFEngine
 from model_helpers import compare_greedy, random_prompts, tiny_qwen3

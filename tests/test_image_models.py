@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec.training.image_data import digit_split, shifted
-from selfspec.training.image_tokenizer import CODEBOOK_DIR, PatchVQ, psnr
+from selfspec.images.data import digit_split, shifted
+from selfspec.images.tokenizer import CODEBOOK_DIR, PatchVQ, psnr
 
 
 def test_digit_split_is_real_balanced_and_deterministic():
@@ -49,8 +49,8 @@ def test_committed_codebook_round_trip():
 
 def test_image_gpt_trains_exports_and_generates(tmp_path, capsys):
     from selfspec.cli import main
-    from selfspec.training.image_model import load_image_model
-    from selfspec.training.image_gpt import RECIPES, ImageTokenLayout, train_image_gpt
+    from selfspec.images.model import load_image_model
+    from selfspec.images.gpt import RECIPES, ImageTokenLayout, train_image_gpt
 
     cfg = replace(RECIPES["tiny-c2i-student"], out=str(tmp_path / "m"), checkpoint_dir=str(tmp_path / "ck"), steps=3,
                   time_budget_minutes=None, eval_every=0, max_shift=0, batch_size=4, hidden_size=32, num_layers=1,
@@ -72,8 +72,8 @@ def test_image_gpt_trains_exports_and_generates(tmp_path, capsys):
 
 
 def test_break_even_rounds():
-    from selfspec.decoding.hbsjd import CompactionCosts
-    from selfspec.training.gamma import break_even_rounds
+    from selfspec.images.hbsjd import CompactionCosts
+    from selfspec.images.gamma import break_even_rounds
 
     # forward cost linear in the rows, compaction cheap: a fraction of a round repays it
     linear = CompactionCosts.from_sweep({b: {"forward_s": 0.01 * b, "compact_s": 0.001} for b in range(1, 9)})
@@ -89,7 +89,7 @@ def test_break_even_rounds():
 
 
 def test_calibrated_costs_on_the_student(student):
-    from selfspec.training.gamma import calibrated_costs
+    from selfspec.images.gamma import calibrated_costs
 
     costs = calibrated_costs(student.model, batch=8, window=4, repeats=2)
     assert costs.sizes == tuple(range(1, 9))
@@ -99,7 +99,7 @@ def test_calibrated_costs_on_the_student(student):
 # ------------------------------------------------------------------------------ the committed models
 @pytest.fixture(scope="module")
 def student():
-    from selfspec.training.image_model import load_image_model
+    from selfspec.images.model import load_image_model
 
     return load_image_model("tiny-c2i-student")
 
@@ -122,9 +122,9 @@ def test_committed_models_and_provenance():
 
 @pytest.mark.parametrize("schedule", ["independent", "lockstep", "window"])
 def test_committed_student_greedy_hbsjd_equals_cached_ar(student, schedule):
-    from selfspec.decoding.hbsjd import CompactionCosts
-    from selfspec.engines.rollout import RolloutConfig
-    from selfspec.training.image_model import prefix_codes
+    from selfspec.images.hbsjd import CompactionCosts
+    from selfspec.images.rollout import RolloutConfig
+    from selfspec.images.model import prefix_codes
 
     engine = student.engine()
     labels = torch.arange(6) % 10
@@ -143,9 +143,9 @@ def test_hybrid_compacts_early_when_the_rounds_left_repay_it(student):
     a compaction of 0.5. The one-round rule's γ would be 3 (full while more than 3 images run);
     counting the rounds left, Hybrid compacts at the first finish, when many rounds remain, and
     lets finished images ride along when few do."""
-    from selfspec.decoding.hbsjd import CompactionCosts
-    from selfspec.engines.rollout import RolloutConfig
-    from selfspec.training.image_model import prefix_codes
+    from selfspec.images.hbsjd import CompactionCosts
+    from selfspec.images.rollout import RolloutConfig
+    from selfspec.images.model import prefix_codes
 
     engine = student.engine()
     labels = torch.arange(8) % 10
@@ -164,8 +164,8 @@ def test_hf_engine_runs_the_image_model(student):
     """A stock transformers checkpoint: the text engine's AR (no guidance) gives the rollout
     engine's guidance-free AR codes."""
     from selfspec.engines.hf import HFEngine
-    from selfspec.engines.rollout import RolloutConfig
-    from selfspec.training.image_model import prefix_codes
+    from selfspec.images.rollout import RolloutConfig
+    from selfspec.images.model import prefix_codes
 
     labels = torch.tensor([1, 7])
     prefix = prefix_codes(student, labels, 0.75)
@@ -178,7 +178,7 @@ def test_hf_engine_runs_the_image_model(student):
 
 # ------------------------------------------------------------------------------ quality metrics
 def test_committed_classifier_and_metrics():
-    from selfspec.training.image_eval import DigitClassifier, frechet_distance, image_metrics, inception_score
+    from selfspec.images.evaluate import DigitClassifier, frechet_distance, image_metrics, inception_score
 
     clf = DigitClassifier.load()
     split = digit_split()

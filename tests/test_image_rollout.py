@@ -11,11 +11,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from selfspec.decoding import hbsjd
-from selfspec.decoding.cfg import guided_logits, restrict_to_codes
-from selfspec.decoding.sjd import history_drafts, next_window
-from selfspec.engines.rollout import ImageRolloutEngine, RolloutConfig
-from selfspec.training.image_gpt import ImageTokenLayout
+from selfspec.images import hbsjd
+from selfspec.images.cfg import guided_logits, restrict_to_codes
+from selfspec.decoding.modes.sjd import history_drafts, next_window
+from selfspec.images.rollout import ImageRolloutEngine, RolloutConfig
+from selfspec.images.gpt import ImageTokenLayout
 
 LAYOUT = ImageTokenLayout()
 

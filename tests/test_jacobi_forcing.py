@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec.training import jf_masks as JM
-from selfspec.training.jf_data import (
+from selfspec.training.jacobi_forcing import masks as JM
+from selfspec.training.jacobi_forcing.data import (
     Trajectory, first_error, noise_levels, pack, pack_trajectories, pick_state, state_noise, target_noise,
 )
-from selfspec.training.jf_masks import JFLayout
+from selfspec.training.jacobi_forcing.masks import JFLayout
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ------------------------------------------------------------------------------ masks, cell by cell
 def _reference_mask(P: int, n: int, T: int, context: str, w: int) -> torch.Tensor:
-    """The visibility table of jf_masks' docstring, written out per cell with plain ints."""
+    """The visibility table of jacobi_forcing.masks' docstring, written out per cell with plain ints."""
     def where(i):
         if i < P:
             return ("prompt", -1, i)
@@ -79,7 +79,7 @@ def test_mask_variants_differ_where_the_seed_says():
 
 @pytest.mark.parametrize("block", [8, 16])
 def test_flex_block_mask_equals_the_dense_mask(block):
-    from selfspec.training.masks import block_mask_to_dense
+    from selfspec.training.idlm.masks import block_mask_to_dense
 
     for context in ("nc", "cllm", "nc_ic"):
         layout = JFLayout(5, 4, 5, context, 2)
@@ -117,7 +117,7 @@ def _random_rows(vocab: int, bsz=2, P=5, n=4, T=3, seed=0):
 
 @pytest.mark.parametrize("context", ["nc", "cllm", "nc_ic"])
 def test_clean_rows_are_a_plain_causal_forward(micro_dir, context):
-    from selfspec.training.jf_forward import forward
+    from selfspec.training.jacobi_forcing.forward import forward
 
     model = _micro(micro_dir)
     prompts, noisy, clean = _random_rows(model.config.vocab_size)
@@ -130,7 +130,7 @@ def test_clean_rows_are_a_plain_causal_forward(micro_dir, context):
 
 
 def test_cllm_noisy_rows_are_one_single_block_jacobi_step(micro_dir):
-    from selfspec.training.jf_forward import forward, jacobi_update
+    from selfspec.training.jacobi_forcing.forward import forward, jacobi_update
 
     model = _micro(micro_dir)
     prompts, noisy, clean = _random_rows(model.config.vocab_size)
@@ -149,7 +149,7 @@ def test_cllm_noisy_rows_are_one_single_block_jacobi_step(micro_dir):
 # ------------------------------------------------------------------------------ trajectories
 @pytest.fixture(scope="module")
 def trajectories(micro_dir, data_file, tmp_path_factory):
-    from selfspec.training.trajectories import TrajectoryConfig, collect
+    from selfspec.training.jacobi_forcing.trajectories import TrajectoryConfig, collect
 
     out = tmp_path_factory.mktemp("traj")
     cfg = TrajectoryConfig(model=str(micro_dir), out=str(out), block_size=4, new_tokens=16, prompt_tokens=12,
@@ -160,7 +160,7 @@ def trajectories(micro_dir, data_file, tmp_path_factory):
 
 def test_trajectories_start_at_the_draft_and_end_at_greedy_ar(micro_dir, trajectories):
     from selfspec.engines.hf import HFEngine
-    from selfspec.training.trajectories import initial_drafts, load_trajectories
+    from selfspec.training.jacobi_forcing.trajectories import initial_drafts, load_trajectories
 
     cfg, manifest = trajectories
     assert manifest["splits"]["train"]["kept"] == 12 and manifest["splits"]["train"]["dropped"] == 0
@@ -189,7 +189,7 @@ def test_trajectory_collection_resumes_and_refuses_other_settings(trajectories):
     from dataclasses import replace
 
     from selfspec.errors import UsageError
-    from selfspec.training.trajectories import collect
+    from selfspec.training.jacobi_forcing.trajectories import collect
 
     cfg, _ = trajectories
     shard = Path(cfg.out) / "train" / "shard-00001.jsonl"
@@ -226,7 +226,7 @@ def test_noise_schedule_and_state_selection():
 
 # ------------------------------------------------------------------------------ loss
 def test_consistency_counts_from_the_first_error_and_nothing_after_eos():
-    from selfspec.training.jf_losses import chain_labels, consistency_labels
+    from selfspec.training.jacobi_forcing.losses import chain_labels, consistency_labels
     from selfspec.training.losses import IGNORE_INDEX as X
 
     clean = torch.tensor([[[1, 2, 3, 4], [5, 6, 0, 8]]])  # EOS (0) at response offset 6
@@ -240,8 +240,8 @@ def test_consistency_counts_from_the_first_error_and_nothing_after_eos():
 
 
 def test_jf_loss_is_zero_consistency_when_noisy_equals_clean_and_gradients_flow(micro_dir):
-    from selfspec.training.jf_forward import forward
-    from selfspec.training.jf_losses import jf_loss
+    from selfspec.training.jacobi_forcing.forward import forward
+    from selfspec.training.jacobi_forcing.losses import jf_loss
 
     model = _micro(micro_dir).train()
     prompts, noisy, clean = _random_rows(model.config.vocab_size)
@@ -256,7 +256,7 @@ def test_jf_loss_is_zero_consistency_when_noisy_equals_clean_and_gradients_flow(
 
 # ------------------------------------------------------------------------------ training
 def _jf_config(micro_dir, collected, out: Path, **kw):
-    from selfspec.training.jacobi_forcing import JFConfig
+    from selfspec.training.jacobi_forcing.objective import JFConfig
 
     cfg, _ = collected
     base = dict(base=str(micro_dir), out=str(out), trajectories=cfg.out, block_size=4, window=4, new_tokens=16,
@@ -267,7 +267,7 @@ def _jf_config(micro_dir, collected, out: Path, **kw):
 
 
 def test_twenty_step_run_lowers_the_consistency_loss(micro_dir, trajectories, tmp_path):
-    from selfspec.training.jacobi_forcing import train_jf
+    from selfspec.training.jacobi_forcing.objective import train_jf
 
     # the consistency term alone (the micro model is untrained: its AR terms would dominate)
     result = train_jf(_jf_config(micro_dir, trajectories, tmp_path / "run", ar_weight=0.0, anchor_weight=0.0, lr=1e-2))
@@ -280,7 +280,7 @@ def test_twenty_step_run_lowers_the_consistency_loss(micro_dir, trajectories, tm
 
 
 def test_resume_equals_uninterrupted_run(micro_dir, trajectories, tmp_path):
-    from selfspec.training.jacobi_forcing import train_jf
+    from selfspec.training.jacobi_forcing.objective import train_jf
 
     kw = dict(steps=6, eval_every=3, export=False, schedule="random")
     whole = train_jf(_jf_config(micro_dir, trajectories, tmp_path / "a", **kw))
@@ -294,8 +294,8 @@ def test_resume_equals_uninterrupted_run(micro_dir, trajectories, tmp_path):
 
 
 def test_rounds_collect_with_the_previous_rounds_model(micro_dir, data_file, trajectories, tmp_path):
-    from selfspec.training.jacobi_forcing import train_jf
-    from selfspec.training.trajectories import load_trajectories
+    from selfspec.training.jacobi_forcing.objective import train_jf
+    from selfspec.training.jacobi_forcing.trajectories import load_trajectories
 
     cfg = _jf_config(micro_dir, trajectories, tmp_path / "out", trajectories=None, rounds=["2:2:6", "4:2"], steps=4,
                      num_prompts=8, heldout_prompts=2, prompt_tokens=12, data=[str(data_file)],
@@ -312,7 +312,7 @@ def test_rounds_collect_with_the_previous_rounds_model(micro_dir, data_file, tra
 
 
 def test_anchor_model_is_the_given_frozen_model(micro_dir, trajectories, tmp_path):
-    from selfspec.training.jacobi_forcing import JFObjective, train_jf
+    from selfspec.training.jacobi_forcing.objective import JFObjective, train_jf
 
     first = _jf_config(micro_dir, trajectories, tmp_path / "r1", steps=3)
     train_jf(first)  # a "round 1" that moved away from the micro model
@@ -329,8 +329,8 @@ def test_anchor_model_is_the_given_frozen_model(micro_dir, trajectories, tmp_pat
 
 def test_bad_options_fail_before_any_model_loads(tmp_path):
     from selfspec.errors import UsageError
-    from selfspec.training.jacobi_forcing import JFConfig
-    from selfspec.training.trajectories import TrajectoryConfig
+    from selfspec.training.jacobi_forcing.objective import JFConfig
+    from selfspec.training.jacobi_forcing.trajectories import TrajectoryConfig
 
     with pytest.raises(UsageError, match="BLOCK:WINDOW"):
         JFConfig(base="b", out="o", rounds=["8-8"])
@@ -345,7 +345,7 @@ def test_bad_options_fail_before_any_model_loads(tmp_path):
 def test_export_serves_jacobi_with_the_trained_settings_exactly(micro_dir, trajectories, tmp_path):
     from selfspec.engines.hf import HFEngine
 
-    from selfspec.training.jacobi_forcing import train_jf
+    from selfspec.training.jacobi_forcing.objective import train_jf
 
     train_jf(_jf_config(micro_dir, trajectories, tmp_path / "m", steps=3, serve_verify_size=2))
     engine = HFEngine.from_pretrained(str(tmp_path / "m"))
@@ -358,7 +358,7 @@ def test_export_serves_jacobi_with_the_trained_settings_exactly(micro_dir, traje
 
 
 def _trajectory_prompts(trajectories):
-    from selfspec.training.trajectories import load_trajectories
+    from selfspec.training.jacobi_forcing.trajectories import load_trajectories
 
     return load_trajectories(trajectories[0].out)[:6]
 
@@ -367,7 +367,7 @@ def _trajectory_prompts(trajectories):
 def test_jacobi_never_spends_a_forward_without_a_draft(tiny_base_path, heldout_prompts):
     """When the pending token lands on the real-active block's last slot, the next block drafts at
     once (before: one forward with the pending token alone, candidates dropped)."""
-    from selfspec.decoding.jacobi import Block, JacobiConfig, JacobiMode, JacobiState, update_blocks
+    from selfspec.decoding.modes.jacobi import Block, JacobiConfig, JacobiMode, JacobiState, update_blocks
     from selfspec.engines.hf import HFEngine
 
     cfg = JacobiConfig(block_size=4, max_blocks=2, spawn_ratio=0.5)
@@ -397,7 +397,7 @@ def test_jacobi_never_spends_a_forward_without_a_draft(tiny_base_path, heldout_p
 
 
 def test_embedded_tiny_jf_carries_its_recipe_and_jacobi_settings():
-    from selfspec.decoding.metadata import load_metadata
+    from selfspec.checkpoints.metadata import load_metadata
     from selfspec.engines.hf import HFEngine
     from selfspec.models import resolve_model
 
@@ -421,7 +421,7 @@ def test_trajectory_prompts_from_a_jsonl_file(tmp_path):
     """`jf-trajectories --prompts FILE`: the file's prompts in order, the last --heldout-prompts held out."""
     import json
 
-    from selfspec.training.trajectories import TrajectoryConfig, load_prompt_ids
+    from selfspec.training.jacobi_forcing.trajectories import TrajectoryConfig, load_prompt_ids
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "x" * (i + 1)}) + "\n" for i in range(6)))

@@ -14,7 +14,8 @@ from kernel_interpreter import _interpreter_env, skip_unless_kernels_run_here  #
 
 skip_unless_kernels_run_here()
 
-from selfspec.decoding import rng, verify  # noqa: E402
+from selfspec.decoding.requests import rng  # noqa: E402
+from selfspec.decoding.modes import verify  # noqa: E402
 from selfspec.kernels import dispatch, gated_lora  # noqa: E402
 from selfspec.kernels import gated_lora_triton as glt  # noqa: E402
 from selfspec.kernels import verify_triton as vt  # noqa: E402

@@ -1,4 +1,4 @@
-"""Triton verify kernels against the torch references of selfspec.decoding.verify.
+"""Triton verify kernels against the torch references of selfspec.decoding.modes.verify.
 
 On a CPU machine the kernels run in the Triton interpreter (see _kernels_run_in_this_process). Discrete outputs are compared exactly. The only tolerated
 differences are float knife-edges: an accept test `u*q < (1+tau)*p` or a Gumbel argmax whose
@@ -23,9 +23,9 @@ from kernel_interpreter import _interpreter_env, skip_unless_kernels_run_here  #
 
 skip_unless_kernels_run_here()
 
-from selfspec.decoding import rng  # noqa: E402
-from selfspec.decoding.sampling import logits_to_probs  # noqa: E402
-from selfspec.decoding.verify import (  # noqa: E402
+from selfspec.decoding.requests import rng  # noqa: E402
+from selfspec.decoding.requests.sampling import logits_to_probs  # noqa: E402
+from selfspec.decoding.modes.verify import (  # noqa: E402
     greedy_verify_candidates_reference,
     greedy_verify_reference,
     speculative_verify_reference,

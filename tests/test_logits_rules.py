@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.decoding.logits_rules import apply_logits_rules
-from selfspec.decoding.sampling import SamplingParams, logits_to_probs
+from selfspec.decoding.requests.logits_rules import apply_logits_rules
+from selfspec.decoding.requests.sampling import SamplingParams, logits_to_probs
 from selfspec.decoding.step import DecodeSequence, StepContext, StepLayout, collate
 from selfspec.engines.hf import HFEngine
 from model_helpers import add_mask_token, tiny_qwen3
@@ -214,8 +214,8 @@ class EvenTokens:
 
 
 def test_drafts_stop_at_the_first_token_the_grammar_rejects():
-    from selfspec.decoding.isd import ISDConfig, ISDMode
-    from selfspec.decoding.logits_rules import grammar_valid
+    from selfspec.decoding.modes.isd import ISDConfig, ISDMode
+    from selfspec.decoding.requests.logits_rules import grammar_valid
 
     seq = DecodeSequence([1, 2, 4, 6, 8, 2, 4, 6], constraint=EvenTokens())
     assert grammar_valid(seq, [8, 2, 3, 4]) == [8, 2]
@@ -233,7 +233,7 @@ def test_drafts_stop_at_the_first_token_the_grammar_rejects():
 
 
 def test_isd_proposes_only_what_the_grammar_allows():
-    from selfspec.decoding.isd import ISDConfig, ISDMode
+    from selfspec.decoding.modes.isd import ISDConfig, ISDMode
 
     mode = ISDMode(ISDConfig(stride=4), mask_token_id=99)
     gen = torch.Generator().manual_seed(0)

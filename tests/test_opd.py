@@ -75,7 +75,7 @@ def test_varkd_selects_and_truncates():
 # ------------------------------------------------------------------------------ the OPD loop
 def _micro_image_model(out: Path, hidden: int, seed: int) -> Path:
     from selfspec.training.export import export_full
-    from selfspec.training.image_gpt import (
+    from selfspec.images.gpt import (
         ImageGPTConfig, ImageTokenLayout, build_image_model, export_image_side_files, image_metadata,
     )
 
@@ -95,7 +95,7 @@ def micro_pair(tmp_path_factory):
 
 
 def _cfg(micro_pair, tmp_path, **kw):
-    from selfspec.training.opd import OPDConfig
+    from selfspec.images.opd import OPDConfig
 
     teacher, student = micro_pair
     base = OPDConfig(out=str(tmp_path / "out"), teacher=str(teacher), student=str(student), batch_size=4,
@@ -105,7 +105,7 @@ def _cfg(micro_pair, tmp_path, **kw):
 
 
 def test_rollout_leaves_the_student_training(micro_pair, tmp_path):
-    from selfspec.training.opd import OPDObjective
+    from selfspec.images.opd import OPDObjective
 
     obj = OPDObjective(_cfg(micro_pair, tmp_path))
     model = obj.build_model(torch.device("cpu"))
@@ -121,7 +121,7 @@ def test_rollout_leaves_the_student_training(micro_pair, tmp_path):
 def test_prefix_weight_and_null_rows_reach_the_loss(micro_pair, tmp_path):
     """The real prefix's positions carry `prefix_weight` (the suffix 1), and a dropped row is
     distilled with the null class for the student and the teacher alike."""
-    from selfspec.training.opd import OPDObjective
+    from selfspec.images.opd import OPDObjective
 
     obj = OPDObjective(_cfg(micro_pair, tmp_path, prefix_weight=0.25, on_policy=0.0))
     model = obj.build_model(torch.device("cpu"))
@@ -146,7 +146,7 @@ def test_prefix_weight_and_null_rows_reach_the_loss(micro_pair, tmp_path):
 def test_opd_steps_lower_the_loss(micro_pair, tmp_path, rollout, objective):
     """Training on a fixed on-policy batch lowers the distillation loss (the objective's own
     forward and loss, the loop's optimizer), whichever backend rolled it out."""
-    from selfspec.training.opd import OPDObjective
+    from selfspec.images.opd import OPDObjective
 
     obj = OPDObjective(_cfg(micro_pair, tmp_path, rollout=rollout, objective=objective))
     model = obj.build_model(torch.device("cpu"))
@@ -172,7 +172,7 @@ def test_both_backends_train_identically_and_resume(micro_pair, tmp_path):
     resumed equals the uninterrupted one."""
     from safetensors.torch import load_file
 
-    from selfspec.training.opd import train_opd
+    from selfspec.images.opd import train_opd
 
     runs = {}
     for name, kw in {"ar": dict(rollout="ar"), "hbsjd": dict(rollout="hbsjd")}.items():
@@ -189,8 +189,8 @@ def test_both_backends_train_identically_and_resume(micro_pair, tmp_path):
 
 
 def test_compare_run_reports_both_backends_and_stages(micro_pair, tmp_path):
-    from selfspec.training.opd import OPDConfig
-    from selfspec.training.opd_compare import compare, format_report
+    from selfspec.images.opd import OPDConfig
+    from selfspec.images.opd_compare import compare, format_report
 
     teacher, student = micro_pair
     base = OPDConfig(out=str(tmp_path / "unused"), teacher=str(teacher), student=str(student), batch_size=4,

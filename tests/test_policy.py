@@ -1,4 +1,4 @@
-"""The built-in policy (`selfspec/decoding/policy.py`): the plan every served mode runs without a
+"""The built-in policy (`selfspec/decoding/widths/policy.py`): the plan every served mode runs without a
 plan file. Its plan per mode, its bad options named, and decoding under it lossless at every
 batch class on the HF engine: greedy exact vs AR while the batch shrinks through the own-step,
 long-lookup and narrow-lookup buckets. (Sampled batches run plain AR steps.) (Served: `test_sglang_plan.py` checks that each mode's default
@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 
 from selfspec.decoding import registry
-from selfspec.decoding.policy import POLICY_NAMES, PolicyConfig, policy_plan
-from selfspec.decoding.width_plan import WidthPlan
+from selfspec.decoding.widths.policy import POLICY_NAMES, PolicyConfig, policy_plan
+from selfspec.decoding.widths.width_plan import WidthPlan
 from selfspec.engines.hf import HFEngine
 from model_helpers import (
     add_mask_token, compare_greedy, random_prompts, tiny_qwen3,

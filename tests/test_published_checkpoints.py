@@ -157,7 +157,7 @@ def test_mask_id_order_flag_metadata_config_tokenizer(tmp_path, monkeypatch):
 def test_vocabulary_size_from_a_nested_text_config(tmp_path, monkeypatch):
     """JACOBI reads the vocabulary size from config.json, nested under text_config in multimodal
     releases (SGLang serves their text model)."""
-    from selfspec.decoding.jacobi import JacobiMode
+    from selfspec.decoding.modes.jacobi import JacobiMode
     from selfspec.sglang_ext import config as cfgmod
 
     _, cfg = _resolved(monkeypatch, pl.ASSETS / "tiny-base", "--speculative-algorithm", "JACOBI",
@@ -218,7 +218,7 @@ def test_idlm_algorithm_config_errors_name_the_key(offline_hub, tmp_path, edit, 
 
 # ------------------------------------------------------------------ Jacobi Forcing presets
 def test_jacobi_forcing_preset_by_flag_and_by_hub_organisation(offline_hub, monkeypatch):
-    from selfspec.sglang_ext.published import PRESETS
+    from selfspec.checkpoints.published import PRESETS
 
     want = PRESETS["jacobi-forcing"].options
     _, by_flag = _resolved(monkeypatch, offline_hub["jf"], "--speculative-algorithm", "JACOBI",

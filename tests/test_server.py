@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 
-from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.requests.sampling import SamplingParams
 from selfspec.serving import ServerProcess, ServerSpec
 
 pytestmark = pytest.mark.server

@@ -300,7 +300,7 @@ def test_seeded_sampling_equals_the_reference_engine(server, heldout_ids, tiny_b
     """A seeded sampled request served equals the HF engine's run of the same mode and seed."""
     import torch
 
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
 
     engine = HFEngine.from_pretrained(tiny_base_path, dtype=torch.float32)

@@ -146,7 +146,7 @@ def test_every_rank_runs_the_reference_engines_plan(case, heldout_ids, engines):
 
 @cases(SAMPLED_CASES)
 def test_seeded_sampling_equals_the_reference_engine(case, heldout_ids, engines, ar_reference):
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
 
     mode, options = case["engine_mode"]
     ar_greedy = ar_reference["output_ids"]

@@ -67,7 +67,7 @@ def test_sjd_mixed_greedy_and_sampled_burst(server, heldout_ids, ar_reference):
 def test_seeded_sampling_equals_the_reference_engine(server, heldout_ids, tiny_base_path):
     import torch
 
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
 
     engine = HFEngine.from_pretrained(tiny_base_path, dtype=torch.float32)
@@ -81,7 +81,7 @@ def test_seeded_sampling_equals_the_reference_engine(server, heldout_ids, tiny_b
 
 
 def test_a_repeated_request_is_drafted_from_the_first(server, heldout_ids):
-    """The server's context candidates draw on every request it served (`decoding/corpus.py`): a
+    """The server's context candidates draw on every request it served (`decoding/modes/corpus.py`): a
     prompt no earlier request held, sent twice, is decoded in far fewer forwards the second time
     (its own history has no match; the first answer has them all), with the same tokens."""
     ids = list(reversed(heldout_ids[3]))[:48]

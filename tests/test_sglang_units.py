@@ -242,7 +242,7 @@ def test_request_checks():
     check_sampling_params(sp(regex="a+"), "RISD")  # grammars are served (sglang_ext/grammar.py)
     with pytest.raises(ValueError, match="beam search"):
         check_sampling_params(sp(beam_width=4), "SJD")
-    check_sampling_params(sp(top_k=50, watermark={"enabled": True}), "SJD")  # served (decoding/watermark.py)
+    check_sampling_params(sp(top_k=50, watermark={"enabled": True}), "SJD")  # served (decoding/requests/watermark.py)
 
 
 def test_request_metrics_conventions():

@@ -175,7 +175,8 @@ def test_opd_two_processes_equal_one(micro_pair, tmp_path):  # noqa: F811
 def test_jacobi_forcing_rounds_collect_on_rank_0_only(monkeypatch, tmp_path):
     """With several processes, a round's trajectories are collected once (rank 0); the others
     wait for the complete manifest instead of writing the same shards."""
-    from selfspec.training import jacobi_forcing, trajectories
+    from selfspec.training.jacobi_forcing import objective as jacobi_forcing
+    from selfspec.training.jacobi_forcing import trajectories
 
     checks = iter([False, False, False, True])
     monkeypatch.setattr(trajectories, "is_complete", lambda path: next(checks))

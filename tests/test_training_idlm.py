@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec.training import masks as M
+from selfspec.training.idlm import masks as M
 from selfspec.training.losses import IGNORE_INDEX, clean_loss_scale, idlm_loss, shifted_labels
 
 
@@ -89,7 +89,7 @@ def test_flex_attention_output_equals_sdpa_with_explicit_mask():
 
 # ------------------------------------------------------------------------------ layout vs inference
 def test_clean_half_is_the_plain_ar_forward(micro_dir):
-    from selfspec.training.idlm import packed_forward
+    from selfspec.training.idlm.objective import packed_forward
 
     model = _load(micro_dir)
     torch.manual_seed(1)
@@ -105,7 +105,7 @@ def test_mask_logits_equal_the_isd_inference_layout(micro_dir, stride):
     """An ISD step puts N-1 MASKs at positions s..s+N-2 after the clean context x_0..x_{s-1}
     (KV cache + the step's pending / proposed tokens), causally; the MASK at s+j predicts
     x_{s+j+1}. The training forward's MASK block starting at s must give the same logits."""
-    from selfspec.training.idlm import packed_forward
+    from selfspec.training.idlm.objective import packed_forward
 
     model = _load(micro_dir)
     mask_id = 1
@@ -185,7 +185,7 @@ def test_mask_token_added_when_missing(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-    from selfspec.training.idlm import ensure_mask_token
+    from selfspec.training.idlm.objective import ensure_mask_token
 
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -207,8 +207,8 @@ def test_mask_token_added_when_missing(tmp_path):
 def test_gated_lora_changes_only_mask_positions(micro_dir):
     from peft import LoraConfig, get_peft_model
 
-    from selfspec.training.gating import gate_lora_layers
-    from selfspec.training.idlm import DEFAULT_LORA_TARGETS, packed_forward
+    from selfspec.training.idlm.gating import gate_lora_layers
+    from selfspec.training.idlm.objective import DEFAULT_LORA_TARGETS, packed_forward
 
     base = _load(micro_dir)
     torch.manual_seed(4)
@@ -239,7 +239,7 @@ def test_gated_lora_changes_only_mask_positions(micro_dir):
 
 # ------------------------------------------------------------------------------ training runs
 def test_twenty_step_run_lowers_mask_loss(micro_dir, data_file, micro_config, tmp_path):
-    from selfspec.training.idlm import train_idlm
+    from selfspec.training.idlm.objective import train_idlm
 
     cfg = micro_config(tmp_path / "full", export=False)
     res = train_idlm(cfg)
@@ -255,7 +255,7 @@ def test_twenty_step_run_lowers_mask_loss(micro_dir, data_file, micro_config, tm
 def test_lora_run_trains_only_the_adapter_and_keeps_the_ar_path(micro_dir, data_file, micro_config, tmp_path):
     from safetensors.torch import load_file
 
-    from selfspec.training.idlm import train_idlm
+    from selfspec.training.idlm.objective import train_idlm
 
     cfg = micro_config(tmp_path / "lora", lora_rank=4, lr=1e-2, curriculum=[3], steps=12)
     res = train_idlm(cfg)
@@ -278,16 +278,16 @@ def test_lora_run_trains_only_the_adapter_and_keeps_the_ar_path(micro_dir, data_
     assert meta["mode"] == "risd" and meta["stride"] == 3 and meta["mask_token_id"] == 1
     assert meta["base_model"] == str(micro_dir)
     assert meta["lora"]["rank"] == 4 and set(meta["lora"]["targets"]) == set(cfg.lora_targets)
-    from selfspec.decoding.metadata import weights_sha256
+    from selfspec.checkpoints.metadata import weights_sha256
 
     assert meta["lora"]["base_sha256"] == weights_sha256(micro_dir)
     assert sorted(meta) == sorted(_committed_metadata("tiny-idlm-lora"))  # key for key what the embedded adapter has
     adapter = load_file(out / "adapter_model.safetensors")
     assert adapter and all(t.dtype == torch.bfloat16 for t in adapter.values())
     # round trip: the engine's loader (base + adapter, gated) gives the trained model's logits
-    from selfspec.decoding.metadata import load_metadata
+    from selfspec.checkpoints.metadata import load_metadata
     from selfspec.engines.lora import attach_gated_adapter
-    from selfspec.training.idlm import packed_forward
+    from selfspec.training.idlm.objective import packed_forward
 
     md = load_metadata(out)
     assert md.mode == "risd" and md.stride == 3 and md.lora.rank == 4 and md.base_model_path == str(micro_dir)
@@ -303,7 +303,7 @@ def test_lora_run_trains_only_the_adapter_and_keeps_the_ar_path(micro_dir, data_
     assert torch.equal(a[:, 12:], b[:, 12:])
     torch.testing.assert_close(a[:, :12], b[:, :12], atol=0.05, rtol=0.05)  # bf16 adapter
     # the HF engine resolves the adapter dir to base + adapter; RISD greedy = base greedy AR
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
 
     engine = HFEngine.from_pretrained(out, dtype=torch.float32)
@@ -314,7 +314,7 @@ def test_lora_run_trains_only_the_adapter_and_keeps_the_ar_path(micro_dir, data_
 
 
 def test_resume_equals_uninterrupted_run(micro_dir, data_file, micro_config, tmp_path):
-    from selfspec.training.idlm import train_idlm
+    from selfspec.training.idlm.objective import train_idlm
 
     kw = dict(steps=6, curriculum=[2, 3], eval_every=3, export=False, grad_accum=2)
     whole = train_idlm(micro_config(tmp_path / "a", **kw))
@@ -338,7 +338,7 @@ def test_resume_equals_uninterrupted_run(micro_dir, data_file, micro_config, tmp
 
 def test_resume_refuses_a_checkpoint_of_another_objective(micro_dir, data_file, micro_config, tmp_path):
     from selfspec.errors import UsageError
-    from selfspec.training.idlm import train_idlm
+    from selfspec.training.idlm.objective import train_idlm
 
     ckpt = tmp_path / "ckpt" / "step-0000003"
     ckpt.mkdir(parents=True)
@@ -350,7 +350,7 @@ def test_resume_refuses_a_checkpoint_of_another_objective(micro_dir, data_file, 
 def test_idlm_objective_drives_the_one_loop(micro_dir, data_file, micro_config, tmp_path):
     """`train_idlm` is the shared loop over the I-DLM objective: the same run through
     `loop.train(IDLMObjective(cfg))` gives the same weights and per-step losses."""
-    from selfspec.training.idlm import IDLMObjective, train_idlm
+    from selfspec.training.idlm.objective import IDLMObjective, train_idlm
     from selfspec.training.loop import lr_at, train
     from selfspec.training.objective import objective_class
 
@@ -369,7 +369,7 @@ def test_full_export_round_trip_and_export_command(micro_dir, data_file, micro_c
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from selfspec.training.export import run as export_run
-    from selfspec.training.idlm import packed_forward, train_idlm
+    from selfspec.training.idlm.objective import packed_forward, train_idlm
 
     cfg = micro_config(tmp_path / "full", steps=4, curriculum=[3])
     res = train_idlm(cfg)
@@ -402,9 +402,9 @@ def test_full_export_round_trip_and_export_command(micro_dir, data_file, micro_c
 
 
 def test_export_loads_in_the_hf_engine(micro_dir, data_file, micro_config, tmp_path):
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines import hf
-    from selfspec.training.idlm import train_idlm
+    from selfspec.training.idlm.objective import train_idlm
 
     cfg = micro_config(tmp_path / "full", steps=2, curriculum=[3])
     train_idlm(cfg)
@@ -416,7 +416,7 @@ def test_export_loads_in_the_hf_engine(micro_dir, data_file, micro_config, tmp_p
 
 
 def test_curriculum_schedule_and_time_plan():
-    from selfspec.training.idlm import IDLMConfig, balance_for, stage_index
+    from selfspec.training.idlm.objective import IDLMConfig, balance_for, stage_index
     from selfspec.training.loop import lr_at
     from selfspec.training.loop import replan as _replan
 
@@ -504,7 +504,7 @@ def test_ar_anchor_kl_is_the_kl_from_the_teacher_and_trains_only_the_student():
 
 
 def test_ar_anchor_keeps_the_clean_half_closer_to_the_base(micro_dir, data_file, micro_config, tmp_path):
-    from selfspec.training.idlm import train_idlm
+    from selfspec.training.idlm.objective import train_idlm
     from selfspec.training.losses import ar_anchor_kl
 
     base = _load(micro_dir)
@@ -522,7 +522,7 @@ def test_ar_anchor_keeps_the_clean_half_closer_to_the_base(micro_dir, data_file,
 
 
 def test_anchor_teacher_runs_only_on_rows_with_clean_labels(micro_dir):
-    from selfspec.training.idlm import anchor_teacher_logits
+    from selfspec.training.idlm.objective import anchor_teacher_logits
 
     teacher = _load(micro_dir)
     seen = []
@@ -566,7 +566,7 @@ def test_mask_self_distillation_is_tempered_on_both_sides_and_trains_only_the_ma
 
 def test_distillation_temperatures_cycle_over_batches():
     from selfspec.errors import UsageError
-    from selfspec.training.idlm import IDLMConfig, IDLMObjective
+    from selfspec.training.idlm.objective import IDLMConfig, IDLMObjective
 
     cfg = IDLMConfig(base="b", out="o", stride=2, mask_distill_weight=0.5, mask_distill_temperatures=[1.0, 0.7])
     objective = IDLMObjective.__new__(IDLMObjective)  # stage() reads the config alone

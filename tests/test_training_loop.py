@@ -30,7 +30,7 @@ IDLM_FLAGS_BEFORE = {
 
 
 def _idlm_parser() -> argparse.ArgumentParser:
-    from selfspec.training import idlm
+    from selfspec.training.idlm import objective as idlm
 
     parser = argparse.ArgumentParser()
     idlm.add_arguments(parser)
@@ -39,7 +39,7 @@ def _idlm_parser() -> argparse.ArgumentParser:
 
 def test_idlm_options_are_the_config_fields_with_their_defaults():
     from selfspec.training.config import from_args
-    from selfspec.training.idlm import IDLMConfig
+    from selfspec.training.idlm.objective import IDLMConfig
 
     parser = _idlm_parser()
     actions = {a.dest: a for a in parser._actions if a.dest != "help"}
@@ -61,7 +61,7 @@ def test_idlm_options_are_the_config_fields_with_their_defaults():
 
 def test_idlm_options_parse_lists_and_flags_as_before():
     from selfspec.training.config import from_args
-    from selfspec.training.idlm import IDLMConfig
+    from selfspec.training.idlm.objective import IDLMConfig
 
     parser = _idlm_parser()
     args = parser.parse_args(["--base", "b", "--out", "o", "--stride", "3", "--curriculum", "2,3", "--lora-rank", "4",
@@ -82,7 +82,7 @@ def test_idlm_options_parse_lists_and_flags_as_before():
 def test_recipe_and_tiny_base_options_come_from_their_configs():
     from selfspec.training import recipes, tiny_base
     from selfspec.training.config import from_args, given_options
-    from selfspec.training.idlm import IDLMConfig
+    from selfspec.training.idlm.objective import IDLMConfig
 
     p = argparse.ArgumentParser()
     recipes.add_arguments(p)
@@ -149,7 +149,7 @@ def test_tiny_base_has_no_schedule_of_its_own():
 
 def test_tiny_base_pretraining_runs_on_the_loop(tmp_path, monkeypatch):
     from selfspec.training import tiny_base
-    from selfspec.training.corpus import CorpusSplit, load_stdlib_split
+    from selfspec.corpus import CorpusSplit, load_stdlib_split
     from selfspec.training.loop import lr_at
 
     full = load_stdlib_split()
@@ -176,7 +176,7 @@ def test_config_to_args_round_trips_through_the_generated_options():
     import argparse
 
     from selfspec.training import config as C
-    from selfspec.training.idlm import IDLMConfig
+    from selfspec.training.idlm.objective import IDLMConfig
 
     cfg = IDLMConfig(base="b", out="o", stride=3, curriculum=[2, 3], data=["x.jsonl", "y"], batch_size=2,
                      progress_bar=False, export=False, eval_every=10, resume="auto")
@@ -208,7 +208,7 @@ def test_take_rows_keeps_shared_fields_and_slices_rows():
 
 
 def test_a_recipe_measurement_on_another_prompt_set_keeps_the_held_out_one(tmp_path):
-    """`python -m selfspec.training.jf_recipe measure M --prompts humaneval` records its numbers
+    """`python -m selfspec.training.jacobi_forcing.recipe measure M --prompts humaneval` records its numbers
     beside the held-out measurement, never over it; the prompts are named as given."""
     import json
 

@@ -18,7 +18,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def exports(micro_config, tmp_path_factory):
-    from selfspec.training.idlm import train_idlm
+    from selfspec.training.idlm.objective import train_idlm
 
     root = tmp_path_factory.mktemp("exports")
     full = micro_config(root / "isd", steps=6, curriculum=[3])
@@ -29,7 +29,7 @@ def exports(micro_config, tmp_path_factory):
 
 
 def _hf_greedy(model_dir: Path, prompts_ids: list[list[int]]) -> list[list[int]]:
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
 
     engine = HFEngine.from_pretrained(model_dir, dtype=torch.float32)

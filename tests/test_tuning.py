@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from selfspec.decoding.width_plan import WidthPlan
+from selfspec.decoding.widths.width_plan import WidthPlan
 from selfspec.tuning.acceptance import Candidate
 from selfspec.tuning.choose import buckets, choose, servable
 from selfspec.tuning.cost import CostTable
@@ -91,7 +91,7 @@ def test_greedy_acceptance_runs_draw_on_a_warm_corpus():
     """The tuner's greedy acceptance runs see a corpus holding other prompts' outputs, as a
     server's context candidates do; sampled runs never use it. A corpus holding the prompt's own
     continuation (a server asked the same twice) makes the candidate accept far more."""
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
     from selfspec.tuning import acceptance
 
@@ -113,7 +113,7 @@ def test_greedy_acceptance_runs_draw_on_a_warm_corpus():
 def test_the_tuner_measures_real_query_tokens_of_unpadded_layouts():
     """`measure(ragged=True)` builds ISD's layouts unpadded (as the CPU worker does) and keeps the
     real query tokens per step: below the padded width when the context candidate is short."""
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
     from selfspec.tuning import acceptance
 
@@ -155,7 +155,7 @@ def test_written_config_round_trips_into_the_server_config(tmp_path, tiny_base_p
     from sglang_fixtures import resolve_in_process
 
     from selfspec.decoding import registry
-    from selfspec.decoding.metadata import model_fingerprint
+    from selfspec.checkpoints.metadata import model_fingerprint
     from selfspec.sglang_ext.config import SelfSpecConfigError, load_yaml_config
     from selfspec.tuning.command import _yaml_text
 

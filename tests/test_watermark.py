@@ -1,4 +1,4 @@
-"""Watermarked sampling (SGLang's keyed selection, `decoding/watermark.py`) on the reference
+"""Watermarked sampling (SGLang's keyed selection, `decoding/requests/watermark.py`) on the reference
 engine: every mode emits AR's watermarked tokens wherever a position is forced, the forced
 tokens do not depend on the seed, SGLang's detector finds the watermark, and the contexts
 forced in a step are the ones AR would force."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.decoding import watermark
-from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.requests import watermark
+from selfspec.decoding.requests.sampling import SamplingParams
 from selfspec.decoding.step import DecodeSequence, StepLayout, StepOutcome, collate
 from selfspec.engines.hf import HFEngine
 from model_helpers import add_mask_token, tiny_qwen3

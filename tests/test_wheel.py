@@ -87,7 +87,7 @@ def test_installed_from_the_wheel_selfspec_reads_its_data_from_the_install(wheel
 
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    probe = ("import selfspec; from selfspec.prompt_sets import HELDOUT_PROMPTS, load_prompt_set; "
+    probe = ("import selfspec; from selfspec.prompts import HELDOUT_PROMPTS, load_prompt_set; "
              "print(selfspec.__file__); print(len(load_prompt_set('tune')), len(load_prompt_set('eval')), "
              "len(load_prompt_set(str(HELDOUT_PROMPTS))))")
     out = _run([str(python), "-c", probe], cwd=cwd).stdout.split("\n")

@@ -1,4 +1,4 @@
-"""Width plans (`selfspec/decoding/width_plan.py`): the step's mode configuration follows the
+"""Width plans (`selfspec/decoding/widths/width_plan.py`): the step's mode configuration follows the
 batch size, and decoding stays lossless when it changes between steps (greedy exact vs AR,
 sampled output distributed as AR sampling), on the HF engine. Sequences finish at different
 steps (a frequent stop token), so the batch shrinks across bucket boundaries mid-generation."""
@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from selfspec.decoding.sampling import SamplingParams
-from selfspec.decoding.width_plan import WidthPlan
+from selfspec.decoding.requests.sampling import SamplingParams
+from selfspec.decoding.widths.width_plan import WidthPlan
 from selfspec.engines.hf import HFEngine
 from model_helpers import (
     add_mask_token, chi_square_pvalue, compare_greedy, exact_distribution, random_prompts, tiny_qwen3,
@@ -121,8 +121,8 @@ def _run_check(check, key, rate, steps):
 
 
 def test_online_check_runs_the_faster_arm_and_follows_a_change():
-    from selfspec.decoding.online_check import OnlineCheck
-    from selfspec.decoding.width_plan import OnlineCheckConfig
+    from selfspec.decoding.widths.online_check import OnlineCheck
+    from selfspec.decoding.widths.width_plan import OnlineCheckConfig
 
     check = OnlineCheck(OnlineCheckConfig(probe_every=20, probe_steps=3, decay=0.5))
     key = (True, 4)
@@ -174,7 +174,7 @@ def test_planned_mode_falls_back_to_ar_steps_where_they_are_measured_faster(setu
 def test_the_check_serves_the_candidate_alone_where_the_modes_own_proposals_do_not_pay(setup):
     """A bucket running the mode's own step with a context candidate has a third arm, that
     candidate alone (a lookup step): measured faster, it serves; measured slower, the plan does."""
-    from selfspec.decoding.ngram import NgramMode
+    from selfspec.decoding.modes.ngram import NgramMode
     from selfspec.decoding.step import DecodeSequence
 
     engine = setup[0]
@@ -199,8 +199,8 @@ def test_online_check_keeps_a_faster_plan_whose_rate_swings(decay, keeps_plan):
     a large share of the steps on AR, as a served greedy batch-1 ISD server did."""
     import random
 
-    from selfspec.decoding.online_check import OnlineCheck
-    from selfspec.decoding.width_plan import OnlineCheckConfig
+    from selfspec.decoding.widths.online_check import OnlineCheck
+    from selfspec.decoding.widths.width_plan import OnlineCheckConfig
 
     rng = random.Random(0)
     check = OnlineCheck(OnlineCheckConfig() if decay is None else OnlineCheckConfig(decay=decay))
@@ -217,8 +217,8 @@ def test_online_check_keeps_a_faster_plan_whose_rate_swings(decay, keeps_plan):
 
 
 def test_online_check_probes_less_the_further_the_running_arm_leads():
-    from selfspec.decoding.online_check import OnlineCheck
-    from selfspec.decoding.width_plan import OnlineCheckConfig
+    from selfspec.decoding.widths.online_check import OnlineCheck
+    from selfspec.decoding.widths.width_plan import OnlineCheckConfig
 
     def probe_share(plan_rate: float) -> float:
         check = OnlineCheck(OnlineCheckConfig())

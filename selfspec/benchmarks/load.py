@@ -11,7 +11,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from selfspec.decoding.repetition import OutputStat, non_loop_summary
+from selfspec.benchmarks.repetition import OutputStat, non_loop_summary
 
 
 

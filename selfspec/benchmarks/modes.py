@@ -33,7 +33,7 @@ def parse_modes(text: str | list[str]) -> list[ModeRun]:
 
 #: The rows `--breakdown` adds before each served selfspec mode (which runs its default policy):
 #: label suffix -> the `--selfspec-policy` that isolates one part of what the mode buys
-#: (`decoding/policy.py`): the worker's own AR steps against stock AR (its batched verify
+#: (`decoding/widths/policy.py`): the worker's own AR steps against stock AR (its batched verify
 #: attention against SGLang's decode forward), lookup steps only, the mode's own steps only.
 BREAKDOWN_POLICIES = (("ar-steps", "ar"), ("lookup", "lookup"), ("own", "own"))
 

@@ -68,8 +68,8 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.benchmarks.modes import parse_modes
-from selfspec.prompt_sets import load_prompts
-from selfspec.decoding.repetition import OutputStat, is_repetition_loop, non_loop_summary, set_ratio_vs_ar
+from selfspec.prompts import load_prompts
+from selfspec.benchmarks.repetition import OutputStat, is_repetition_loop, non_loop_summary, set_ratio_vs_ar
 
 SCHEMA = "selfspec.bench.offline/v1"
 DEFAULT_MODES = "ar,ngram,jacobi,sjd,isd,risd"
@@ -148,10 +148,10 @@ def run_benchmark(
     plans: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run AR and the given modes on one engine; returns the per-mode result rows (schema above).
-    `plans`: a width plan per label (`decoding/width_plan.py`)."""
+    `plans`: a width plan per label (`decoding/widths/width_plan.py`)."""
     from selfspec.decoding import registry
     from selfspec.decoding.metrics import aggregate
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.decoding.step import ModeUnavailable
 
     sampling = sampling or SamplingParams()
@@ -230,7 +230,7 @@ def run_benchmark(
 def _generate_timed(engine, prompt_ids, max_new_tokens, sampling, seed, mode_obj, batch_size):
     """`engine.generate` one batch at a time, timing each; the outputs equal one call's (each prompt
     keeps its seed, seed + its index in the whole request). Returns (outputs, [seconds per batch])."""
-    from selfspec.decoding.seeds import base_seeds
+    from selfspec.decoding.requests.seeds import base_seeds
 
     seeds = base_seeds(seed, len(prompt_ids))
     size = batch_size or len(prompt_ids)
@@ -275,7 +275,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
 
     if args.threads:

@@ -76,7 +76,7 @@ from selfspec.benchmarks.load import (Chunk, interleave_chunks, kinds_delta, lev
                                       run_requests, server_stats, stats_delta, summarize_level)
 from selfspec.benchmarks.modes import ModeRun, breakdown, parse_modes
 from selfspec.benchmarks.serve_report import finish_report, format_table, plot, step_kind_shares
-from selfspec.prompt_sets import describe as describe_prompts, load_prompt_set
+from selfspec.prompts import describe as describe_prompts, load_prompt_set
 
 
 SCHEMA = "selfspec.bench.serve/v1"
@@ -142,7 +142,7 @@ def _mode_extra(run: ModeRun, args, model_dir: Path) -> tuple[list[str] | None, 
     if spec.needs_adapter and "--selfspec-lora" not in extra:
         lora = args.lora
         if lora is None:
-            from selfspec.decoding.metadata import load_metadata
+            from selfspec.checkpoints.metadata import load_metadata
 
             meta = load_metadata(model_dir)
             lora = meta.adapter_path if meta is not None else None

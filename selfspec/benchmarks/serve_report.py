@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from selfspec.benchmarks.load import level_sizes
-from selfspec.decoding.repetition import set_ratio_vs_ar
+from selfspec.benchmarks.repetition import set_ratio_vs_ar
 
 
 def ngram_verifies_greedily(device: str) -> bool:

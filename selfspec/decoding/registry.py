@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from selfspec.decoding.ar import ARMode
-from selfspec.decoding.corpus import SharedCorpus
-from selfspec.decoding.isd import ISDConfig, ISDMode
-from selfspec.decoding.isd import serving_check as isd_serving_check
-from selfspec.decoding.jacobi import JacobiConfig, JacobiMode
-from selfspec.decoding.ngram import NgramConfig, NgramMode
-from selfspec.decoding.sjd import SJDConfig, SJDMode
+from selfspec.decoding.modes.ar import ARMode
+from selfspec.decoding.modes.corpus import SharedCorpus
+from selfspec.decoding.modes.isd import ISDConfig, ISDMode
+from selfspec.decoding.modes.isd import serving_check as isd_serving_check
+from selfspec.decoding.modes.jacobi import JacobiConfig, JacobiMode
+from selfspec.decoding.modes.ngram import NgramConfig, NgramMode
+from selfspec.decoding.modes.sjd import SJDConfig, SJDMode
 from selfspec.decoding.step import Mode
 
 
@@ -246,8 +246,8 @@ def build_planned(mode: str, base_options: dict[str, Any], plan: Any,
     """The `planned_mode.PlannedMode` of `plan` (a WidthPlan or its dict form) for `mode`: each
     bucket's mode built from `base_options` overridden by the bucket's options (a lookup bucket,
     `mode: ngram`, from its own options alone: the base options are the plan mode's)."""
-    from selfspec.decoding.planned_mode import PlannedMode
-    from selfspec.decoding.width_plan import PLAN_STEP_MODES, WidthPlan
+    from selfspec.decoding.widths.planned_mode import PlannedMode
+    from selfspec.decoding.widths.width_plan import PLAN_STEP_MODES, WidthPlan
 
     spec = get(mode)
     if resources.corpus is None:  # one corpus for all the buckets

@@ -11,7 +11,7 @@ the cached prefix. A step is:
    branches over the trunk), and the per-token LoRA gate (RISD).
 2. The engine runs one forward over `collate(layouts)` with the cached prefix visible to every
    query and returns logits [B, W, V] (row i predicts the token after query token i).
-3. `Mode.finish(seqs, batch, logits, ctx)` verifies with the rules of `selfspec.decoding.verify`
+3. `Mode.finish(seqs, batch, logits, ctx)` verifies with the rules of `selfspec.decoding.modes.verify`
    and returns one `StepOutcome` per sequence: the tokens to emit (accepted drafts plus the
    corrected / bonus token, whose last one is the next pending token) and `keep`, the step
    indices whose KV joins the cached prefix, in order (the old pending token plus the accepted
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from selfspec.decoding.sampling import SamplingFilters, SamplingParams, logits_to_probs
+from selfspec.decoding.requests.sampling import SamplingFilters, SamplingParams, logits_to_probs
 from selfspec.errors import UserError
-from selfspec.decoding.verify import REFERENCE_OPS, VerifyOps, VerifyResult
+from selfspec.decoding.modes.verify import REFERENCE_OPS, VerifyOps, VerifyResult
 
 
 @dataclass(eq=False)  # compared and hashed by identity: modes key per-sequence state by it
@@ -130,7 +130,7 @@ def collate(layouts: list[StepLayout], pad_token: int = 0, device=None) -> StepB
 
 @dataclass
 class StepContext:
-    """Per-row sampling settings and this step's seeds (see `selfspec.decoding.seeds`)."""
+    """Per-row sampling settings and this step's seeds (see `selfspec.decoding.requests.seeds`)."""
 
     filters: SamplingFilters  # per-row tensors: temperature [B] float, top_k [B] long, top_p / min_p [B] float
     seeds: torch.Tensor  # [B, Mode.seeds_per_step] long

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec.decoding import watermark
-from selfspec.decoding.logits_rules import GrammarWalk
+from selfspec.decoding.requests import watermark
+from selfspec.decoding.requests.logits_rules import GrammarWalk
 from selfspec.decoding.metrics import SequenceMetrics
 from selfspec.decoding.progress import SequenceProgress
-from selfspec.decoding.sampling import SamplingParams
-from selfspec.decoding.seeds import step_seeds
+from selfspec.decoding.requests.sampling import SamplingParams
+from selfspec.decoding.requests.seeds import step_seeds
 from selfspec.decoding.step import DecodeSequence, Mode, StepContext, StepLayout, StepOutcome, collate
-from selfspec.decoding.verify import VerifyOps
+from selfspec.decoding.modes.verify import VerifyOps
 from selfspec.engines.kv_cache import SlotKVCache
 from selfspec.engines.runner import StepRunner
 

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from selfspec.decoding import registry
-from selfspec.decoding.corpus import SharedCorpus
-from selfspec.decoding.metadata import SelfspecMetadata, load_metadata, resolve_mask_token_id
+from selfspec.decoding.modes.corpus import SharedCorpus
+from selfspec.checkpoints.metadata import SelfspecMetadata, load_metadata, resolve_mask_token_id
 from selfspec.decoding.progress import normalize_stop_ids
-from selfspec.decoding.sampling import SamplingParams
-from selfspec.decoding.seeds import base_seeds
+from selfspec.decoding.requests.sampling import SamplingParams
+from selfspec.decoding.requests.seeds import base_seeds
 from selfspec.decoding.step import Mode, ModeUnavailable
 from selfspec.engines.generate import GenerationOutput, StepCallback, generate_batch
 from selfspec.engines.kernel_choice import verify_ops
@@ -197,7 +197,7 @@ class HFEngine:
         per-token log-probabilities (see `engines/generate.py`); `plan`: see `build_mode`;
         `grammars`: per prompt an `engines.grammar.XGrammar` (or None), fresh for this call;
         `watermarks`: per prompt a `decoding.watermark.WatermarkConfig` (or None): SGLang's text
-        watermark on sampled requests (`decoding/watermark.py`)."""
+        watermark on sampled requests (`decoding/requests/watermark.py`)."""
         prompts = [list(map(int, p)) for p in prompt_ids]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from selfspec.decoding.verify import (
+from selfspec.decoding.modes.verify import (
     VerifyOps,
     greedy_verify_candidates_reference,
     greedy_verify_reference,

@@ -12,7 +12,7 @@ layouts, calls the runner, and hands the logits to `mode.finish`.
 - `LogitsProcessor`s run in order between the forward and the mode's verify, on every row of
   the step (guidance fusion, vocabulary restriction): whatever they return is what acceptance,
   sampling and logprobs see. Then each request's own rules (penalties, logit_bias,
-  min_new_tokens: `selfspec.decoding.logits_rules`, the one hook the SGLang worker calls too). At prefill they see the last prompt row of each
+  min_new_tokens: `selfspec.decoding.requests.logits_rules`, the one hook the SGLang worker calls too). At prefill they see the last prompt row of each
   sequence as a [B, 1, V] step whose `batch` is None.
 - The gated LoRA (RISD) is switched on at the rows the layout gates, through the model's one
   `LoRAGate` (`selfspec.kernels.lora_gate`).
@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from selfspec.decoding.logits_rules import apply_logits_rules
+from selfspec.decoding.requests.logits_rules import apply_logits_rules
 from selfspec.decoding.step import DecodeSequence, StepBatch
 from selfspec.engines.kv_cache import SlotKVCache, step_attention_mask
 from selfspec.kernels.lora_gate import gated, model_gate

@@ -1,6 +1,6 @@
 """The one gate mechanism of the per-token gated LoRA (RISD), shared by every place that runs it:
 the HF engine's wrapped layers (`engines/lora.py`), PEFT layers in training
-(`training/gating.py`) and SGLang's hooked linear methods (`sglang_ext/lora.py`).
+(`training/idlm/gating.py`) and SGLang's hooked linear methods (`sglang_ext/lora.py`).
 
 A model with a gated adapter carries one `LoRAGate` as `model.selfspec_lora_gate`; its layers
 read `gate.mask` on every forward: None means the adapter is off everywhere (prefill, verify-only

@@ -1,6 +1,6 @@
-"""Triton kernels for the verify rules of `selfspec.decoding.verify` (drop-in, same signatures).
+"""Triton kernels for the verify rules of `selfspec.decoding.modes.verify` (drop-in, same signatures).
 
-The rules themselves are defined once, by the torch references in `selfspec.decoding.verify`;
+The rules themselves are defined once, by the torch references in `selfspec.decoding.modes.verify`;
 these kernels compute the same discrete results (accepted lengths, next tokens, winning branch)
 from the same per-row seeds. They are selected by `selfspec.kernels.dispatch`.
 
@@ -18,7 +18,7 @@ Speculative (p/q) verify, four launches, no host synchronisation when top-k/top-
 2. ``_spec_decide`` -- one program per sequence: merges the split partials, forms
    p(x_i) = exp2(s2(x_i) - m) / S for every draft (a gather of one logit per row), the accept test
    ``u * q(x_i) < (1 + tau) * p(x_i)`` with u = uniform(seed[b, i], 0) bit-identical to
-   `selfspec.decoding.rng`, the accepted prefix, and -- on the all-accept path -- the bonus token
+   `selfspec.decoding.requests.rng`, the accepted prefix, and -- on the all-accept path -- the bonus token
    from the pass-1 candidates. Nothing else happens for an all-accept sequence: no correction.
 3. ``_spec_pass2`` -- the correction, a second streaming pass over ONE row per sequence (the
    first rejected row), skipped (programs return at once) for sequences resolved in step 2.
@@ -106,7 +106,7 @@ def _device_fn(fn):
 
 @_device_fn
 def _hash_u32(seed, offs):
-    """murmur3 finaliser over seed * golden + offset, uint32 (== selfspec.decoding.rng.hash_u32)."""
+    """murmur3 finaliser over seed * golden + offset, uint32 (== selfspec.decoding.requests.rng.hash_u32)."""
     x = seed * 0x9E3779B1 + offs
     x = x ^ (x >> 16)
     x = x * 0x85EBCA6B
@@ -118,7 +118,7 @@ def _hash_u32(seed, offs):
 
 @_device_fn
 def _uniform(h):
-    # == selfspec.decoding.rng.uniform: 23 bits, so the value stays strictly below 1.0
+    # == selfspec.decoding.requests.rng.uniform: 23 bits, so the value stays strictly below 1.0
     return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
 
 
@@ -586,7 +586,7 @@ def _filter_thresholds(logits: torch.Tensor, temp: torch.Tensor, top_k, top_p, m
     """Top-k / top-p / min-p pre-pass: per row (b, i) the smallest raw logit the filters keep
     (-inf: no filter).
 
-    Mirrors `selfspec.decoding.sampling.logits_to_probs` (temperature, softmax, then top-k with
+    Mirrors `selfspec.decoding.requests.sampling.logits_to_probs` (temperature, softmax, then top-k with
     ties kept, top-p drop where `cumsum - p > top_p`, min-p drop below min_p * max, all on the
     unfiltered probabilities) on the sequences where a filter is active.
     None when no row is filtered (then the kernels skip the comparison altogether).

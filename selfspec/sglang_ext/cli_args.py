@@ -19,10 +19,10 @@ import os
 from typing import Any
 
 from selfspec.decoding import registry
-from selfspec.decoding.policy import POLICY_NAMES
+from selfspec.decoding.widths.policy import POLICY_NAMES
 from selfspec.sglang_ext import config as cfgmod
-from selfspec.sglang_ext.checkpoint_files import is_repo_id
-from selfspec.sglang_ext.published import PRESETS
+from selfspec.checkpoints.files import is_repo_id
+from selfspec.checkpoints.published import PRESETS
 
 _DESTS = ("selfspec_config", "selfspec_stride", "selfspec_tau", "selfspec_mask_token_id", "selfspec_lora",
           "selfspec_options", "selfspec_policy", "selfspec_preset")

@@ -5,7 +5,7 @@ Sources, highest precedence first:
 2. `--selfspec-config FILE.yaml` (presets in `serving_configs/`);
 3. a preset for a published checkpoint (`--selfspec-preset`, or picked by the model's Hub
    organisation: `published.PRESETS`);
-4. the checkpoint's `selfspec.json` (`selfspec.decoding.metadata`): mode, stride, mask token,
+4. the checkpoint's `selfspec.json` (`selfspec.checkpoints.metadata`): mode, stride, mask token,
    RISD adapter, so `--speculative-algorithm ISD --model-path <I-DLM checkpoint>` needs nothing else;
 5. the mode's own defaults (its config class in `selfspec.decoding.registry`).
 
@@ -33,11 +33,12 @@ from typing import Any
 
 from selfspec.decoding import registry
 from selfspec.errors import UserError
-from selfspec.decoding.metadata import (
+from selfspec.checkpoints.metadata import (
     MetadataError, SelfspecMetadata, load_metadata, model_fingerprint, weights_sha256,
 )
-from selfspec.decoding.policy import PolicyConfig, policy_plan
-from selfspec.sglang_ext import checkpoint_files, published
+from selfspec.decoding.widths.policy import PolicyConfig, policy_plan
+from selfspec.checkpoints import files as checkpoint_files
+from selfspec.checkpoints import published
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ class ResolvedConfig:
     mask_token_id: int | None = None
     adapter: str | None = None  # RISD: PEFT adapter directory
     sources: dict[str, str] = field(default_factory=dict)  # option -> where it came from
-    plan: dict[str, Any] | None = None  # a width plan (`decoding/width_plan.py`): per batch size, its options
-    policy: str | None = None  # the built-in policy that wrote `plan` (`decoding/policy.py`); None: a plan file
+    plan: dict[str, Any] | None = None  # a width plan (`decoding/widths/width_plan.py`): per batch size, its options
+    policy: str | None = None  # the built-in policy that wrote `plan` (`decoding/widths/policy.py`); None: a plan file
     model_dir: str = ""  # the folder of the model's files (a Hub name's cache snapshot)
     architecture: str | None = None  # the class SGLang serves the model as, where not its own (SDAR)
     sampling_defaults: dict[str, Any] | None = None  # the server's default sampling parameters (I-DLM's config)
@@ -92,7 +93,7 @@ class ResolvedConfig:
         opts = ", ".join(f"{k}={v!r} ({self.sources.get(k, 'default')})" for k, v in sorted(self.options.items()))
         plan = ""
         if self.plan is not None:
-            from selfspec.decoding.width_plan import WidthPlan
+            from selfspec.decoding.widths.width_plan import WidthPlan
 
             plan = f"; width plan ({self.sources.get('plan', '?')}): {WidthPlan.from_dict(self.plan, self.mode).describe()}"
         elif self.policy is not None:
@@ -331,7 +332,7 @@ def _check_served_as(architecture: str, model_path: str, override_json: str | No
 
 
 def _apply_policy(cfg: ResolvedConfig, value: Any) -> None:
-    """The built-in policy's plan (`decoding/policy.py`) where no plan file gives one. The mode's
+    """The built-in policy's plan (`decoding/widths/policy.py`) where no plan file gives one. The mode's
     own buckets take the policy's options for the mode except those the user set (flags, YAML):
     what a user asks for wins over what the policy would choose."""
     spec = cfg.spec

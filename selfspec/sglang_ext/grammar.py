@@ -10,7 +10,7 @@ output; each row's mask walks the row's drafts on it and rolls back
 
 from __future__ import annotations
 
-from selfspec.decoding.logits_rules import GrammarWalk
+from selfspec.decoding.requests.logits_rules import GrammarWalk
 
 
 def request_constraint(req, mask_token_id: int | None = None) -> GrammarWalk:

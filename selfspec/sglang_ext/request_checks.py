@@ -4,9 +4,9 @@ An AFTER hook on SGLang's `SamplingParams.verify` (run by the tokenizer manager 
 request, whose ValueError becomes a 400 response) rejects, when the server runs a selfspec
 mode: sampling with JACOBI (greedy only: its guarantee is exactly greedy AR) and beam search.
 Everything else a plain server takes is served: penalties, min_p, logit_bias, min_new_tokens
-and grammars (`selfspec.decoding.logits_rules`, `selfspec.sglang_ext.grammar`), logprobs
+and grammars (`selfspec.decoding.requests.logits_rules`, `selfspec.sglang_ext.grammar`), logprobs
 (`selfspec.sglang_ext.logprobs`), custom logit processors (the worker) and watermarking
-(`selfspec.decoding.watermark`, `selfspec.sglang_ext.watermark`).
+(`selfspec.decoding.requests.watermark`, `selfspec.sglang_ext.watermark`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ SGLang 0.5.23 checks `--enable-watermark` at start-up
 (`arg_groups/validation_hook.check_watermark_server_args`) and allows it only with
 `--device cuda` and with NGRAM / EAGLE / EAGLE3 as speculative algorithm. Both limits are
 about its own code paths, not ours:
-- the selfspec worker watermarks every verify row itself (`selfspec.decoding.watermark`, with
+- the selfspec worker watermarks every verify row itself (`selfspec.decoding.requests.watermark`, with
   SGLang's hash and selector), so a selfspec algorithm is checked as NGRAM is;
 - on the CPU engine SGLang's watermark state and selector have PyTorch paths
   (`sampling/watermarking/core.py`, the reference its Triton kernels are tested against), so
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from selfspec.decoding import registry
-from selfspec.decoding.watermark import SequenceWatermark, WatermarkConfig
+from selfspec.decoding.requests.watermark import SequenceWatermark, WatermarkConfig
 
 
 class _CheckedAs:

@@ -6,7 +6,7 @@ One worker serves every mode. It is a thin adapter over `selfspec.decoding`: the
 keep; this file only maps that onto SGLang:
 
 - prefill (EXTEND): the target forward without SGLang's sampler; the first token is drawn by
-  the decoding core's AR rule (`selfspec.decoding.ar.next_tokens`) with the request's seed
+  the decoding core's AR rule (`selfspec.decoding.modes.ar.next_tokens`) with the request's seed
   stream, then `mode.start` creates the request's state;
 - decode: one TARGET_VERIFY forward of fixed width W per request (`speculative_num_draft_tokens`):
   the step tokens go to the KV slots `[seq_len, seq_len + W)` SGLang reserved for the request
@@ -44,11 +44,11 @@ from sglang.srt.runtime_context import get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-from selfspec.decoding import seeds as seedmod
-from selfspec.decoding import watermark
-from selfspec.decoding.logits_rules import apply_logits_rules
+from selfspec.decoding.requests import seeds as seedmod
+from selfspec.decoding.requests import watermark
+from selfspec.decoding.requests.logits_rules import apply_logits_rules
 from selfspec.decoding.metrics import SequenceMetrics
-from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.requests.sampling import SamplingParams
 from selfspec.decoding.step import DecodeSequence, StepBatch, StepContext, StepLayout, collate
 from selfspec.engines.kernel_choice import ragged_verify_enabled, verify_ops
 from selfspec.kernels.lora_gate import gated

@@ -1,7 +1,7 @@
 """Training configurations, each field written once: in its dataclass, with its help text.
 
 `LoopConfig` holds what the training loop (`selfspec.training.loop`) reads; an objective's
-config (e.g. `selfspec.training.idlm.IDLMConfig`) extends it with its own fields and may
+config (e.g. `selfspec.training.idlm.objective.IDLMConfig`) extends it with its own fields and may
 redeclare a loop field to change its default (`lr: float = 3e-3`: the help stays the loop's). Command-line options are generated from the
 fields (`add_arguments`) and the config is built back from the parsed namespace (`from_args`):
 

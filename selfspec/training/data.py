@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from selfspec.errors import UsageError
-from selfspec.training.corpus import is_heldout, load_stdlib_split
+from selfspec.corpus import is_heldout, load_stdlib_split
 from selfspec.training.tokenizer import EOS_TOKEN
 
 

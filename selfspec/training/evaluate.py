@@ -26,7 +26,7 @@ from selfspec.training.tiny_base import heldout_loss, tokenize_files
 def heldout_ar_perplexity(model, tokenizer, seq_len: int = 512, batch_size: int = 8) -> dict:
     """Perplexity of the plain causal (AR) forward over the whole held-out split of the stdlib
     corpus, windows of `seq_len` (tiny-base's own evaluation)."""
-    from selfspec.training.corpus import load_stdlib_split
+    from selfspec.corpus import load_stdlib_split
 
     split = load_stdlib_split()
     tokens = tokenize_files(tokenizer, [f.text for f in split.heldout])
@@ -96,7 +96,7 @@ def decode_tpf(engine, prompt_ids: list[list[int]], mode: str, max_new_tokens: i
     """TPF and outputs of one decoding configuration on the HF engine."""
     from selfspec.decoding import registry
     from selfspec.decoding.metrics import aggregate
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.decoding.requests.sampling import SamplingParams
 
     cfg = None
     if registry.get(mode).needs_mask_token:  # the ISD family: stride and tau

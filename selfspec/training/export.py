@@ -7,7 +7,7 @@ plus `selfspec.json` (when the objective gives metadata) and `provenance.json`. 
 adapter_config.json and adapter_model.safetensors (bf16), the tokenizer, `selfspec.json` naming
 its base (`base_model`: an embedded model name or a path) and `provenance.json`.
 
-`selfspec.json` is `selfspec.decoding.metadata.SelfspecMetadata` (format 1), filled by the
+`selfspec.json` is `selfspec.checkpoints.metadata.SelfspecMetadata` (format 1), filled by the
 objective (`Objective.metadata`); for I-DLM:
     mode            "isd" | "risd"
     stride          N (the ISD stride the model was trained for; N-1 MASKs per step)
@@ -19,7 +19,7 @@ objective (`Objective.metadata`); for I-DLM:
     recipe          the training command and configuration
     metrics         held-out metrics at export time
 
-`base_sha256` is `selfspec.decoding.metadata.weights_sha256(base_dir)`: sha256 over the bytes
+`base_sha256` is `selfspec.checkpoints.metadata.weights_sha256(base_dir)`: sha256 over the bytes
 of the base's `*.safetensors` files, in sorted file-name order.
 
 `selfspec export --checkpoint RUN/checkpoints/step-XXXXXX --out DIR` exports a training
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from selfspec.decoding import registry
-from selfspec.decoding.metadata import SelfspecMetadata
+from selfspec.checkpoints.metadata import SelfspecMetadata
 from selfspec.training.checkpoint import find_checkpoint, read_state
 from selfspec.training.objective import objective_class
 

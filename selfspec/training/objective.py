@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from selfspec.decoding.metadata import SelfspecMetadata
+from selfspec.checkpoints.metadata import SelfspecMetadata
 from selfspec.training.config import LoopConfig
 
 
@@ -78,11 +78,11 @@ class Objective(abc.ABC):
 
 
 OBJECTIVES: dict[str, str] = {
-    "idlm": "selfspec.training.idlm:IDLMObjective",
+    "idlm": "selfspec.training.idlm.objective:IDLMObjective",
     "tiny-base": "selfspec.training.tiny_base:TinyBaseObjective",
-    "jacobi-forcing": "selfspec.training.jacobi_forcing:JFObjective",
-    "image-gpt": "selfspec.training.image_gpt:ImageGPTObjective",
-    "opd": "selfspec.training.opd:OPDObjective",
+    "jacobi-forcing": "selfspec.training.jacobi_forcing.objective:JFObjective",
+    "image-gpt": "selfspec.images.gpt:ImageGPTObjective",
+    "opd": "selfspec.images.opd:OPDObjective",
 }
 DEFAULT_OBJECTIVE = "idlm"  # of checkpoints written before they recorded their objective
 

@@ -3,7 +3,7 @@
     selfspec train tiny-idlm        # full I-DLM conversion of tiny-base, curriculum N = 2 -> 3 -> 4
     selfspec train tiny-idlm-lora   # gated LoRA over a frozen tiny-base (RISD), same curriculum
 
-Each trains with `selfspec.training.idlm` on the stdlib corpus (tiny-base's train split) mixed
+Each trains with `selfspec.training.idlm.objective` on the stdlib corpus (tiny-base's train split) mixed
 50/50 with on-policy data (tiny-base's own greedy continuations of train-split prompts, MASK half
 only; generated first if missing, see `SELFGEN`) under a wall-clock budget (the step plan adapts to the machine's speed so the schedule always anneals),
 exports to `selfspec/assets/<name>/` (checkpoints go to runs/<name>/ under the working directory),
@@ -31,12 +31,12 @@ import torch
 
 from selfspec.kernels.lora_gate import model_gate
 from selfspec.decoding import registry
-from selfspec.decoding.metadata import load_metadata
+from selfspec.checkpoints.metadata import load_metadata
 from selfspec.models import ASSETS_DIR
 from selfspec.paths import check_package_write, recorded_path, runs_dir
-from selfspec.prompt_sets import HELDOUT_PROMPTS
+from selfspec.prompts import HELDOUT_PROMPTS
 from selfspec.training import config as C
-from selfspec.training.idlm import IDLMConfig, train_idlm
+from selfspec.training.idlm.objective import IDLMConfig, train_idlm
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,9 @@ RECIPES: dict[str, IDLMConfig] = {
 
 # ------------------------------------------------------------------------------ measurement
 def measure_prompts(prompts: str | Path, tokenizer, limit: int) -> tuple[str, list[list[int]]]:
-    """(how a measurement names its prompts, their token ids): a prompt set (`prompt_sets`:
+    """(how a measurement names its prompts, their token ids): a prompt set (`selfspec.prompts`:
     tune, eval, humaneval) or a JSON-lines file, the first `limit` prompts."""
-    from selfspec.prompt_sets import SET_NAMES, load_prompts
+    from selfspec.prompts import SET_NAMES, load_prompts
 
     label = str(prompts) if str(prompts) in SET_NAMES else recorded_path(str(Path(prompts).resolve()))
     return label, load_prompts(prompts, tokenizer, limit)[1]

@@ -22,7 +22,7 @@ from selfspec.models import ASSETS_DIR
 from selfspec.paths import check_package_write, runs_dir
 from selfspec.training import config as C
 from selfspec.training.config import LoopConfig, option
-from selfspec.training.corpus import HELDOUT_PERCENT, load_stdlib_split
+from selfspec.corpus import HELDOUT_PERCENT, load_stdlib_split
 from selfspec.training.data import batch_generator
 from selfspec.training.distributed import global_rows, shard_rows
 from selfspec.training.losses import next_token_ce

@@ -7,7 +7,7 @@ each sequence on its own), so each candidate decodes the tune prompts once per s
 on the HF engine, all prompts in one batch, and reports committed tokens and query tokens per
 decode step.
 
-A server's context candidates also draw on what it served before (`decoding/corpus.py`), which
+A server's context candidates also draw on what it served before (`decoding/modes/corpus.py`), which
 an acceptance run from an empty corpus does not see; so greedy runs start from a corpus that
 already holds other prompts' outputs (`warm_corpus`), as a server's does after its first
 requests. Sampled rows never use the corpus.
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfspec.decoding import registry
-from selfspec.decoding.corpus import SharedCorpus
-from selfspec.decoding.ngram import CONTEXT_MATCH_SIZES
+from selfspec.decoding.modes.corpus import SharedCorpus
+from selfspec.decoding.modes.ngram import CONTEXT_MATCH_SIZES
 from selfspec.decoding.registry import unpadded
-from selfspec.decoding.sampling import SamplingParams
-from selfspec.decoding.width_plan import PLAN_STEP_MODES
+from selfspec.decoding.requests.sampling import SamplingParams
+from selfspec.decoding.widths.width_plan import PLAN_STEP_MODES
 
 #: the mode's own step: its policy options (`ModeSpec.policy_options`) with these candidate lengths
 OWN_CONTEXT_TOKENS = (0, 4, 16)

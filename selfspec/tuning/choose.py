@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from selfspec.decoding.width_plan import PlanBucket
+from selfspec.decoding.widths.width_plan import PlanBucket
 from selfspec.tuning.acceptance import Candidate
 from selfspec.tuning.cost import CostTable
 

@@ -2,7 +2,7 @@
 
     selfspec tune --model tiny-idlm --mode isd [--prompts tune] [--out plan-isd.yaml]
 
-Every served mode runs a built-in policy with no measurement (`decoding/policy.py`). This
+Every served mode runs a built-in policy with no measurement (`decoding/widths/policy.py`). This
 command measures instead: the forward time of this machine by batch size and query tokens per
 request (the HF engine, `--threads` torch threads, `--dtype`), and the tokens each candidate
 step commits on the `tune` prompts (AR, the mode's own step with a few context-candidate
@@ -63,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from selfspec.prompt_sets import load_prompts
+    from selfspec.prompts import load_prompts
     from selfspec.decoding import registry
-    from selfspec.decoding.metadata import model_fingerprint
-    from selfspec.decoding.sampling import SamplingParams
+    from selfspec.checkpoints.metadata import model_fingerprint
+    from selfspec.decoding.requests.sampling import SamplingParams
     from selfspec.engines.hf import HFEngine
     from selfspec.engines.kernel_choice import ragged_verify_enabled
     from selfspec.models import resolve_with_adapter
