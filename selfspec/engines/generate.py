@@ -2,14 +2,14 @@
 
 Per batch of prompts:
 1. prefill every prompt in one right-padded forward (positions 0 … len−1, causal); the last
-   prompt row gives the first token by the AR sampling rule (`decoding.ar.next_tokens`), which
+   prompt row gives the first token by the AR sampling rule (`decoding.modes.ar.next_tokens`), which
    becomes the pending token;
 2. loop: the mode plans each active sequence's step layout, the `StepRunner` runs one forward
    over the padded batch against the per-sequence slot KV cache and processes the logits, the
    mode decides what to emit, `SequenceProgress` applies stop ids and max_new_tokens, the cache
    keeps the KV the mode says to keep; finished sequences leave the batch.
 Sequences advance independently (no lockstep); randomness comes from per-sequence seed streams
-(`decoding.seeds`), so a seeded sequence gives the same output in any batch.
+(`decoding.requests.seeds`), so a seeded sequence gives the same output in any batch.
 
 Callbacks see every step (`StepEvent`, the prefill included): trajectory recording and rollout
 statistics hook in here without touching the loop. With `logprobs=True` each emitted token gets

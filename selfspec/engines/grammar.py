@@ -1,5 +1,5 @@
 """Grammar-constrained decoding on the reference engine: an xgrammar matcher in the grammar-object
-shape the decoding core walks (`decoding.logits_rules.GrammarWalk`; the methods of SGLang's
+shape the decoding core walks (`decoding.requests.logits_rules.GrammarWalk`; the methods of SGLang's
 `BaseGrammarObject`), plus `commit`, which the generate loop calls with each step's emitted
 tokens (in SGLang the scheduler advances the grammar instead).
 

@@ -196,7 +196,7 @@ class HFEngine:
         """`callbacks` see every step (`generate.StepEvent`); `logprobs=True` fills each output's
         per-token log-probabilities (see `engines/generate.py`); `plan`: see `build_mode`;
         `grammars`: per prompt an `engines.grammar.XGrammar` (or None), fresh for this call;
-        `watermarks`: per prompt a `decoding.watermark.WatermarkConfig` (or None): SGLang's text
+        `watermarks`: per prompt a `decoding.requests.watermark.WatermarkConfig` (or None): SGLang's text
         watermark on sampled requests (`decoding/requests/watermark.py`)."""
         prompts = [list(map(int, p)) for p in prompt_ids]
         if any(len(p) == 0 for p in prompts):

@@ -19,9 +19,9 @@ which also rules it out inside a CUDA graph).
 ``gated_lora_linear_auto`` (what the dispatch uses on CUDA) takes the Triton path only up to
 ``TRITON_MAX_TOKENS`` tokens and cuBLAS above; ``SELFSPEC_LORA_PATH=cublas|triton`` overrides.
 The default below is the cuBLAS path at every token count, I-DLM's reported choice at small
-token counts: it has NOT been measured on this code yet (no GPU was available when it was
-written). `python bench/gpu_kernels.py` prints both paths per token count and the value of
-TRITON_MAX_TOKENS that the measurement supports.
+token counts; the crossover is not measured on this code yet. `python bench/gpu_kernels.py`
+prints both paths per token count and the value of TRITON_MAX_TOKENS that the measurement
+supports.
 """
 
 from __future__ import annotations

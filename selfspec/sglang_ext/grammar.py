@@ -5,7 +5,7 @@ The scheduler compiles a request's grammar before it is scheduled and advances t
 matcher over the tokens each step commits (`BatchResultProcessor.advance_grammar_fsm`, which
 also stops the run where the grammar terminates), so the grammar's state is the committed
 output; each row's mask walks the row's drafts on it and rolls back
-(`decoding.logits_rules.GrammarWalk`).
+(`decoding.requests.logits_rules.GrammarWalk`).
 """
 
 from __future__ import annotations

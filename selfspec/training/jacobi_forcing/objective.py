@@ -1,5 +1,6 @@
-"""Jacobi Forcing (seed 000): train a causal LM on its own Jacobi trajectories so that greedy
-Jacobi decoding (`--speculative-algorithm JACOBI`) fixes several tokens per forward.
+"""Jacobi Forcing: train a causal LM on its own Jacobi trajectories so that greedy Jacobi decoding
+(`--speculative-algorithm JACOBI`) fixes several tokens per forward (the method of *Fast and
+Accurate Causal Parallel Decoding using Jacobi Forcing*).
 
     selfspec train jf --base M [--rounds 8:8,16:8] [--schedule progressive] [--context nc] --out DIR
 

@@ -6,7 +6,7 @@ For every prompt: the model's greedy AR response (HF engine, `new_tokens` tokens
 EOS; the first EOS is recorded and nothing after it is trained on), cut into T blocks of n.
 Block j starts from an initial draft — its first token is the correct one (the prefill's argmax
 or the previous block's bonus token), the other n-1 are drawn with replacement from the context's
-own tokens (prompt + earlier blocks; `decoding.jacobi.context_draft`), as the reference code
+own tokens (prompt + earlier blocks; `decoding.modes.jacobi.context_draft`), as the reference code
 does — and is iterated by greedy Jacobi until it reaches its fixed point. Every state is kept,
 the first being the initial draft (a copy: the public reference stores a tensor that later
 iterations overwrite, so its "initial" state is really the fixed point).
