@@ -88,15 +88,16 @@ results: setup
 # fuzz-soak*.json: the fuzz soak, 1,120 requests per server (about 30 min), and SJD under retraction (about 5 min)
 	$(PY) bench/fuzz_soak.py --seeds 0-15 --size 64 --modes isd,isd-default,risd,jacobi,sjd --json $(R)/fuzz-soak.json
 	$(PY) bench/fuzz_soak.py --seeds 0-3 --size 64 --modes sjd-retract --json $(R)/fuzz-soak-retract.json
-# images/: sample quality and grids of the teacher (about 10 min) and the student (about 5 min); greedy
-# grids of cached AR and HB-SJD from the same prefixes (seconds)
+# images/: sample quality and sampled grids of the teacher (about 10 min) and the student (about 5 min);
+# greedy grids (--temperature 0; generate-image samples by default) of cached AR and HB-SJD from the
+# same prefixes, the same PNG byte for byte (seconds)
 	$(SELFSPEC) eval-images --model tiny-c2i-teacher --num 2000 --cfg 2.0 --out $(R)/images/teacher-samples.png \
 	  --json $(R)/images/teacher-eval.json
 	$(SELFSPEC) eval-images --model tiny-c2i-student --num 5000 --cfg 2.0 --out $(R)/images/student-samples.png \
 	  --json $(R)/images/student-eval.json
-	$(SELFSPEC) generate-image --model tiny-c2i-student --mode ar --prefix-ratio 0.5 --num 20 \
+	$(SELFSPEC) generate-image --model tiny-c2i-student --mode ar --prefix-ratio 0.5 --num 20 --temperature 0 \
 	  --out $(R)/images/student-ar-prefix0.5.png
-	$(SELFSPEC) generate-image --model tiny-c2i-student --mode hbsjd --prefix-ratio 0.5 --num 20 \
+	$(SELFSPEC) generate-image --model tiny-c2i-student --mode hbsjd --prefix-ratio 0.5 --num 20 --temperature 0 \
 	  --out $(R)/images/student-hbsjd-prefix0.5.png
 # rollout-student/, rollout-teacher/: HB-SJD rollouts against cached AR and the batch-synchronous
 # schedules, with sweeps (about 10 min and 3 min)

@@ -176,6 +176,30 @@ def test_hf_engine_runs_the_image_model(student):
     assert [o.token_ids for o in outs] == ar.codes[:, prefix.shape[1]:].tolist()
 
 
+@pytest.mark.parametrize("name", ["tiny-c2i-teacher", "tiny-c2i-student"])
+def test_generate_image_defaults_draw_digits(name):
+    """`generate-image` as a user runs it (sampling at T = 1, HB-SJD with p/q verification, the
+    default seed) draws strokes from both committed models; greedy decoding, from the class token
+    alone, emits the background code everywhere: blank images."""
+    import argparse
+
+    from selfspec.images.generate import add_arguments, generate
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sampled = generate(parser.parse_args(["--model", name, "--num", "3"]))  # classes 0, 1, 2
+    assert not sampled.greedy
+    assert sampled.foreground_share > 0.15  # real digits: 25% of the codes
+    ink = (sampled.images > 127).float().mean((1, 2))  # real digits: about 13% of the pixels
+    assert (ink > 0.03).all(), ink
+    greedy = generate(parser.parse_args(["--model", name, "--num", "3", "--temperature", "0"]))
+    assert greedy.greedy and greedy.foreground_share < 0.02
+    assert (greedy.images > 127).float().mean() < 0.01
+    if name == "tiny-c2i-student":  # the same seed, the same images
+        again = generate(parser.parse_args(["--model", name, "--num", "3"]))
+        assert torch.equal(again.images, sampled.images)
+
+
 # ------------------------------------------------------------------------------ quality metrics
 def test_committed_classifier_and_metrics():
     from selfspec.images.evaluate import DigitClassifier, frechet_distance, image_metrics, inception_score
