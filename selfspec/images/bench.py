@@ -1,11 +1,11 @@
-"""Rollout benchmark of image-token models: cached AR, Batch-Synchronous SJD and HB-SJD (seed 001).
+"""Rollout benchmark of image-token models: cached AR, Batch-Synchronous SJD and HB-SJD (the HB-SJD paper).
 
     selfspec bench rollout --model tiny-c2i-student --batch 8,16,32,64 --window 8 \\
         --prefix-ratio 0.5 --repeats 3 --threads 1 --out runs/bench-rollout [--sweeps w,h,prefix]
 
 Every batch completes real held-out digits from their first `prefix-ratio` of codes, under CFG
 2.0, in each arm: `ar` (cached AR), `sync-lockstep` (the batch advances by its minimum accepted
-length, what the public SJD code does), `sync-window` (fixed windows, the seed's Fig. 2a),
+length, what the public SJD code does), `sync-window` (fixed windows, the HB-SJD paper's Fig. 2a),
 `hbsjd-full` / `hbsjd-compact` / `hbsjd-hybrid` (Independent HB-SJD; Hybrid compacts when the
 rounds left repay it, on the `calibrate-gamma` costs measured in the same run); greedy, and
 probabilistic (SJD p/q verification vs AR sampling at T = 1) for AR and Hybrid. Per arm: CPU

@@ -1,4 +1,5 @@
-"""HB-SJD rounds over a batch of images, as tensor ops (seed 001).
+"""HB-SJD rounds over a batch of images, as tensor ops (after *Accelerating Visual On-Policy
+Distillation with Batched Speculative Jacobi Rollouts*, the HB-SJD paper).
 
 The rules are SJD's (`sjd.py`: `history_drafts`, `next_window`; tests check these tensor forms
 against those list forms) and `verify.py`'s; what this module adds is their batched,
@@ -16,7 +17,7 @@ Schedules (how many tokens an image keeps):
 - `independent` (HB-SJD): every image keeps its own accepted prefix + 1.
 - `lockstep` (the batched behaviour of the public SJD code, which takes the minimum accepted
   length): every active image keeps min over the active images, + 1.
-- `window` (the seed's Fig. 2a): fixed windows of W positions; an image that has completed the
+- `window` (the HB-SJD paper's Fig. 2a): fixed windows of W positions; an image that has completed the
   current window idles (keeps nothing) until every image has, then the window moves on.
 
 `window = 0` is cached AR in the same machinery: one query token, no drafts, keep 1.

@@ -1,4 +1,4 @@
-"""Visual on-policy distillation (OPD) with a swappable rollout backend (seed 001).
+"""Visual on-policy distillation (OPD) with a swappable rollout backend (the HB-SJD paper).
 
     selfspec train opd --teacher tiny-c2i-teacher --student tiny-c2i-student \\
         --rollout ar|hbsjd [--verify greedy|prob] [--objective gkd|varkd] --out DIR
@@ -56,7 +56,8 @@ class OPDConfig(LoopConfig):
     on_policy: float = option(1.0, help="lambda: share of steps on the student's own rollouts")
     prefix_ratio: float = option(0.5, help="share of each real digit's codes given before the rollout")
     prefix_weight: float = option(1.0, help="loss weight of the real prefix's positions (0: the suffix alone, "
-                                            "as in the seed; positions no loss sees drift, and sampling starts there)")
+                                            "as in the HB-SJD paper; positions no loss sees drift, and sampling "
+                                            "starts there)")
     cfg_scale: float = option(2.0, help="guidance scale of the rollouts")
     label_dropout: float = option(0.1, help="share of rows distilled with the null class for both models (keeps "
                                             "the unconditional branch that guidance subtracts in step)")

@@ -1,5 +1,5 @@
 """The OPD comparison run: the same teacher, student, steps and seed with the rollout backend the
-only difference (seed 001's claim: HB-SJD cuts rollout time, quality stays).
+only difference (the HB-SJD paper's claim: HB-SJD cuts rollout time, quality stays).
 
     selfspec train opd-compare --out runs/opd-compare [--steps 600] [--verify greedy] [--eval-images 1000]
 

@@ -1,4 +1,4 @@
-"""Batched image rollouts: cached AR and HB-SJD (seed 001) with classifier-free guidance, on a
+"""Batched image rollouts: cached AR and HB-SJD (the HB-SJD paper) with classifier-free guidance, on a
 transformers image-token GPT (`images.gpt`), with Full / Compact / Hybrid execution.
 
     engine = ImageRolloutEngine(model, layout)
