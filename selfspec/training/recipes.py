@@ -60,7 +60,7 @@ class SelfgenSpec:
     def command(self) -> str:
         return (f"python -m selfspec.training.selfgen --model {self.model} --out {_relative(str(self.file))} "
                 f"--num {self.num} --prompt-tokens {self.prompt_tokens} --new-tokens {self.new_tokens} "
-                f"--seed {self.seed}")
+                f"--seed={self.seed}")
 
     def ensure(self) -> None:
         if not self.file.exists():
