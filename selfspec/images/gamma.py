@@ -7,7 +7,7 @@ B and window W, with guidance (2 rows per image) and the KV cache at mid-image l
     t_f(b)  one verification forward of b images' rows at width W + 1
     t_c(b)  one compaction down to b images (KV `select` of every layer + the state gathers)
 
-Rule (`decoding.hbsjd.should_compact`, applied before every round of a rollout): with a of the
+Rule (`images.hbsjd.should_compact`, applied before every round of a rollout): with a of the
 b images in the batch still running and r rounds to go (the active images' remaining tokens
 over the tokens per image-round so far), compact when r × (t_f(b) − t_f(a)) > t_c(a). A
 compaction is paid once and saves in every later round, so the question is not whether one

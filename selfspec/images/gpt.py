@@ -5,7 +5,7 @@ the null class (classifier-free guidance's unconditional row); the vocabulary is
 A sequence is `[class, c_1 .. c_196]`; training is next-token cross-entropy on the codes, with
 the class swapped for the null class with probability `label_dropout` (so the same model gives
 the unconditional logits that guidance needs). Sampling restricts the logits to the codes
-(`decoding.cfg`). 1D RoPE over the raster order, untied embeddings.
+(`images.cfg`). 1D RoPE over the raster order, untied embeddings.
 
     selfspec train tiny-c2i-teacher    # ~4.9M parameters (hidden 256 x 6 layers)
     selfspec train tiny-c2i-student    # ~0.9M parameters (hidden 128 x 4 layers), 5-6x smaller

@@ -135,7 +135,7 @@ def append_chain(seq: torch.Tensor, length: torch.Tensor, chain: torch.Tensor, k
 class CompactionCosts:
     """Measured seconds per batch size b (images in the batch, ascending): one verification
     forward of b images' rows (`forward_s`) and one compaction down to b images (`compact_s`,
-    the KV `select` of every layer and the state gathers). `training.gamma.calibrated_costs`
+    the KV `select` of every layer and the state gathers). `images.gamma.calibrated_costs`
     measures them. Between measured sizes the costs are interpolated linearly, beyond them held
     flat; the forward costs are first made non-decreasing in b (pool-adjacent-violators), since
     more rows never cost less and a noisy dip would otherwise read as a saving."""

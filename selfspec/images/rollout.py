@@ -2,15 +2,15 @@
 transformers image-token GPT (`images.gpt`), with Full / Compact / Hybrid execution.
 
     engine = ImageRolloutEngine(model, layout)
-    costs = calibrated_costs(model, batch=32, window=8)       # training.gamma
+    costs = calibrated_costs(model, batch=32, window=8)       # images.gamma
     out = engine.rollout(labels, prefix, RolloutConfig(window=8, execution="hybrid", costs=costs))
     out.codes        # [B, 196], the prefix then the generated codes
 
 Each image is a pair of rows in one `SlotKVCache` (conditional rows 0..B-1, unconditional rows
 B..2B-1, sharing every length and commit); one forward per round runs every row's
-`[pending, drafts]` at its own positions (`runner.StepRunner`), the guided logits are fused and
-restricted to codes (`decoding.cfg`), verified (`decoding.verify` through the engine's
-`VerifyOps`) and committed (`decoding.hbsjd`). The round loop is tensor ops only.
+`[pending, drafts]` at its own positions (`engines.runner.StepRunner`), the guided logits are
+fused and restricted to codes (`images.cfg`), verified (`decoding.modes.verify` through the
+engine's `VerifyOps`) and committed (`images.hbsjd`). The round loop is tensor ops only.
 
 Physical execution: `full` keeps every image in the batch to the end (finished ones ride along,
 committing nothing); `compact` removes finished images from the batch and the KV cache as soon
