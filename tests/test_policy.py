@@ -30,19 +30,34 @@ def _plan(mode: str, policy: PolicyConfig = PolicyConfig()):
     return policy_plan(spec.name, spec.policy_options, policy)
 
 
+def _served_by(plan: WidthPlan, batch_size: int, sampled: bool = False):
+    return (plan.sampled if sampled else plan.greedy)[plan.bucket(batch_size, sampled)]
+
+
+@pytest.mark.parametrize("policy", [PolicyConfig(), SMALL, PolicyConfig(own_max_batch=0),
+                                    PolicyConfig(own_max_batch=3, lookup_max_batch=3)], ids=["default", "small",
+                                                                                             "no-own", "no-long"])
 @pytest.mark.parametrize("mode", SERVED)
-def test_the_default_plan_speculates_at_every_batch_size(mode):
-    """Own step with the candidate at small batches, lookups beyond (long up to 18, narrow after),
-    the run-time check on; sampled batches: plain AR steps at every size."""
-    plan = WidthPlan.from_dict(_plan(mode), mode)
+def test_the_policy_speculates_at_every_batch_size(mode, policy):
+    """At each boundary the policy's fields draw: greedy batches of up to `own_max_batch` run the
+    mode's own step with the candidate, then up to `lookup_max_batch` the long lookup (adaptive,
+    cut to its match, from the corpus), beyond it the narrow lookup; sampled batches plain AR steps
+    at every size; the run-time check on. A bound of 0 (or equal bounds) leaves its step out."""
+    plan = WidthPlan.from_dict(_plan(mode, policy), mode)
     assert plan.online is not None
-    own, long_lookup, narrow = plan.greedy
-    assert (own.max_batch, own.mode, own.options["context_tokens"], own.options["context_length_factor"]) == (
-        1, mode, 32, 2.0)
-    assert (long_lookup.max_batch, long_lookup.mode, long_lookup.options["num_draft"]) == (18, "ngram", 12)
-    assert long_lookup.options["adaptive"] and long_lookup.options["length_factor"] == 1.0 and long_lookup.options["corpus"]
-    assert (narrow.max_batch, narrow.mode, narrow.options["num_draft"]) == (None, "ngram", 4)
-    assert [(b.max_batch, b.mode) for b in plan.sampled] == [(None, "ar")]
+    own, long_top = policy.own_max_batch, policy.lookup_max_batch
+    for b in sorted({1, own, own + 1, long_top, long_top + 1, 10 * long_top + 50} - {0}):
+        step = _served_by(plan, b)
+        if b <= own:
+            assert step.mode == mode and step.options["context_tokens"] == policy.context_tokens, (b, step)
+            assert step.options["context_length_factor"] == policy.context_length_factor
+        elif b <= long_top:
+            assert (step.mode, step.options["num_draft"]) == ("ngram", policy.lookup_tokens), (b, step)
+            assert step.options["adaptive"] and step.options["corpus"]
+            assert step.options["length_factor"] == policy.lookup_length_factor
+        else:
+            assert (step.mode, step.options["num_draft"]) == ("ngram", policy.wide_tokens), (b, step)
+        assert _served_by(plan, b, sampled=True).mode == "ar", b
     assert all(b.mode != mode for b in WidthPlan.from_dict(_plan(mode, PolicyConfig("lookup")), mode).greedy)
     assert _plan(mode, PolicyConfig("own")) is None
     assert {b.mode for b in WidthPlan.from_dict(_plan(mode, PolicyConfig("ar")), mode).greedy} == {"ar"}
