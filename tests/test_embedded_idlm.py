@@ -41,18 +41,26 @@ def _files_size(path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
+def _check_stride_and_mask(path, meta: dict, prov: dict) -> None:
+    """selfspec.json (what the engines and the plugin read) agrees with the run that wrote it: the
+    stride served is the one trained, where its curriculum ends, and the mask token is the
+    tokenizer's."""
+    from transformers import AutoTokenizer
+
+    assert meta["stride"] == prov["config"]["stride"] == prov["config"]["curriculum"][-1] and prov["steps"] > 0
+    tok = AutoTokenizer.from_pretrained(path)
+    assert (meta["mask_token"], meta["mask_token_id"]) == (tok.mask_token, tok.mask_token_id)
+
+
 def test_tiny_idlm_provenance_and_size(tiny_base_path):
     path = ASSETS_DIR / "tiny-idlm"
     meta = json.loads((path / "selfspec.json").read_text())
     prov = json.loads((path / "provenance.json").read_text())
     # a full conversion has tiny-base's parameters and dtype: its size, 10.5 MB (no [MASK] row added)
     assert (path / "model.safetensors").stat().st_size <= (tiny_base_path / "model.safetensors").stat().st_size
-    assert meta["mode"] == "isd" and meta["stride"] == 4 and meta["mask_token"] == "[MASK]"
-    assert prov["command"] == "selfspec train tiny-idlm"
+    assert meta["mode"] == "isd" and prov["command"] == "selfspec train tiny-idlm"
     assert prov["base"]["sha256"] == weights_sha256(tiny_base_path)
-    assert prov["config"]["curriculum"] == [2, 3, 4] and prov["steps"] > 0
-    measured = meta["metrics"]["measured"]
-    assert {(r["mode"], r["stride"]) for r in measured["decode"]} >= {("isd", 2), ("isd", 3), ("isd", 4)}
+    _check_stride_and_mask(path, meta, prov)
 
 
 def test_tiny_idlm_lora_is_an_adapter_over_tiny_base(tiny_base_path):
@@ -61,9 +69,10 @@ def test_tiny_idlm_lora_is_an_adapter_over_tiny_base(tiny_base_path):
     prov = json.loads((path / "provenance.json").read_text())
     assert not (path / "config.json").exists() and (path / "adapter_config.json").exists()
     assert _files_size(path) <= MAX_BYTES
-    assert meta["mode"] == "risd" and meta["base_model"] == "tiny-base" and meta["stride"] == 4
+    assert meta["mode"] == "risd" and meta["base_model"] == "tiny-base"
     assert meta["lora"]["base_sha256"] == weights_sha256(tiny_base_path)
     assert prov["command"] == "selfspec train tiny-idlm-lora"
+    _check_stride_and_mask(path, meta, prov)
     assert resolve_with_adapter("tiny-idlm-lora") == (tiny_base_path, path)
 
 

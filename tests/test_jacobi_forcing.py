@@ -397,6 +397,8 @@ def test_jacobi_never_spends_a_forward_without_a_draft(tiny_base_path, heldout_p
 
 
 def test_embedded_tiny_jf_carries_its_recipe_and_jacobi_settings():
+    import dataclasses
+
     from selfspec.checkpoints.metadata import load_metadata
     from selfspec.engines.hf import HFEngine
     from selfspec.models import resolve_model
@@ -404,17 +406,23 @@ def test_embedded_tiny_jf_carries_its_recipe_and_jacobi_settings():
     path = resolve_model("tiny-jf")
     meta = load_metadata(path)
     assert meta.mode == "jacobi" and meta.converted_from == "tiny-base"
-    assert meta.recipe["command"] == "selfspec train tiny-jf" and meta.recipe["config"]["rounds"] == ["8:8:2048"]
-    assert meta.recipe["config"]["anchor_model"] == "tiny-base"  # every step held to the model it converts
-    measured = meta.metrics["measured"]["models"]["trained"]
-    rows = list(measured["plain"].values()) + [measured["multi_block_recycling"]]
-    assert all(r["equals_greedy_ar"] == 1.0 for r in rows)
+    recipe = meta.recipe["config"]
+    assert meta.recipe["command"] == "selfspec train tiny-jf"
+    assert recipe["anchor_model"] == "tiny-base"  # every step held to the model it converts
     prov = json.loads((path / "provenance.json").read_text())
-    assert [r["block_size"] for r in prov["rounds"]] == [8] and prov["history"]
+    # the rounds it ran are the recipe's (block:window:prompts each), and the served settings the
+    # last round's block size with the recipe's serve_* options
+    assert [(r["block_size"], r["window"]) for r in prov["rounds"]] == \
+        [tuple(int(x) for x in r.split(":")[:2]) for r in recipe["rounds"]] and prov["history"]
+    served = dataclasses.asdict(meta.jacobi)
+    assert (served["block_size"], served["max_blocks"], served["verify_size"], served["spawn_ratio"]) == (
+        prov["rounds"][-1]["block_size"], recipe["serve_max_blocks"], recipe["serve_verify_size"],
+        recipe["serve_spawn_ratio"])
     engine = HFEngine.from_pretrained(path)
     cfg = engine.build_mode("jacobi").config  # the settings of selfspec.json, no options given
-    assert (cfg.block_size, cfg.max_blocks, cfg.verify_size) == (8, 2, 4)
-    assert engine.build_mode("jacobi", {"block_size": 16}).config.block_size == 16  # an option still wins
+    assert {k: getattr(cfg, k) for k in served} == served
+    other = served["block_size"] + 3
+    assert engine.build_mode("jacobi", {"block_size": other}).config.block_size == other  # an option still wins
 
 
 def test_trajectory_prompts_from_a_jsonl_file(tmp_path):
