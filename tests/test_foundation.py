@@ -244,8 +244,31 @@ def test_generate_bad_input_is_one_clear_line(flags, message):
     assert message in out.stderr
 
 
-def test_generate_takes_mode_options():
-    out = _cli("generate", "--model", "tiny-idlm", "--prompt", "import os", "--mode", "isd",
-               "--mode-config", "stride=2", "--max-new-tokens", "8")
-    assert out.returncode == 0, out.stderr
-    assert "mode=isd" in out.stderr
+def test_generate_takes_mode_options(monkeypatch, capsys):
+    """`--mode isd --mode-config stride=2` decodes with ISD at stride 2 (tiny-idlm's selfspec.json
+    says 4): the mode the engine built, and the step widths it ran (2N-1 = 3 query tokens)."""
+    from selfspec.cli import main
+    from selfspec.decoding.modes.isd import ISDMode
+    from selfspec.engines.hf import HFEngine
+
+    built, widths = [], []
+    build = HFEngine.build_mode
+
+    def recording_build(self, *args, **kwargs):
+        mode = build(self, *args, **kwargs)
+        built.append(mode)
+        return mode
+    layouts = ISDMode.layouts
+
+    def recording_layouts(self, seqs):
+        out = layouts(self, seqs)
+        widths.extend(len(lay.tokens) for lay in out)
+        return out
+    monkeypatch.setattr(HFEngine, "build_mode", recording_build)
+    monkeypatch.setattr(ISDMode, "layouts", recording_layouts)
+    assert main(["generate", "--model", "tiny-idlm", "--prompt", "import os", "--mode", "isd",
+                 "--mode-config", "stride=2", "--max-new-tokens", "8"]) == 0
+    err = capsys.readouterr().err
+    assert [(type(m), m.config.stride) for m in built] == [(ISDMode, 2)]
+    assert widths and max(widths) == 3, widths
+    assert "mode=isd" in err and float(err.split(" tokens per forward")[0].split()[-1]) <= 2  # N tokens a forward
