@@ -88,12 +88,17 @@ def test_break_even_rounds():
     assert even[4] is None and even[3] == pytest.approx(1 / 3)
 
 
-def test_calibrated_costs_on_the_student(student):
+def test_calibrated_costs_on_the_student(student, student_ar):
+    """The calibration measures every batch size up to B (B = 8: each one), and its costs drive a
+    Hybrid rollout's compactions: whatever they measured, the greedy rollout is AR's."""
     from selfspec.images.gamma import calibrated_costs
+    from selfspec.images.rollout import RolloutConfig
 
     costs = calibrated_costs(student.model, batch=8, window=4, repeats=2)
     assert costs.sizes == tuple(range(1, 9))
-    assert all(t > 0 for t in costs.forward_s + costs.compact_s)
+    labels, prefix, ar = student_ar
+    out = student.engine().rollout(labels, prefix, RolloutConfig(window=8, execution="hybrid", costs=costs))
+    assert torch.equal(out.codes, ar.codes) and out.rounds < ar.rounds
 
 
 # ------------------------------------------------------------------------------ the committed models
@@ -102,6 +107,18 @@ def student():
     from selfspec.images.model import load_image_model
 
     return load_image_model("tiny-c2i-student")
+
+
+@pytest.fixture(scope="module")
+def student_ar(student):
+    """Six images (one per class 0-5) from half of their codes: labels, prefixes and the student's
+    cached AR rollout, the greedy reference of the HB-SJD rollouts."""
+    from selfspec.images.model import prefix_codes
+    from selfspec.images.rollout import RolloutConfig
+
+    labels = torch.arange(6) % 10
+    prefix = prefix_codes(student, labels, 0.5)
+    return labels, prefix, student.engine().rollout(labels, prefix, RolloutConfig(window=0))
 
 
 def test_committed_models_and_provenance():
@@ -121,15 +138,12 @@ def test_committed_models_and_provenance():
 
 
 @pytest.mark.parametrize("schedule", ["independent", "lockstep", "window"])
-def test_committed_student_greedy_hbsjd_equals_cached_ar(student, schedule):
+def test_committed_student_greedy_hbsjd_equals_cached_ar(student, student_ar, schedule):
     from selfspec.images.hbsjd import CompactionCosts
     from selfspec.images.rollout import RolloutConfig
-    from selfspec.images.model import prefix_codes
 
     engine = student.engine()
-    labels = torch.arange(6) % 10
-    prefix = prefix_codes(student, labels, 0.5)
-    ar = engine.rollout(labels, prefix, RolloutConfig(window=0))
+    labels, prefix, ar = student_ar
     costs = CompactionCosts.from_sweep({b: {"forward_s": 1.0 + 0.1 * b, "compact_s": 0.5} for b in range(1, 7)})
     for execution in ("full", "compact", "hybrid"):
         out = engine.rollout(labels, prefix, RolloutConfig(window=8, schedule=schedule, execution=execution,
