@@ -104,6 +104,23 @@ def check_default_speculates(base_url: str) -> dict:
     return kinds
 
 
+def check_own_steps(base_url: str, mode: str, before: dict | None = None) -> dict[str, int]:
+    """The server runs `mode` and the mode's own steps (not only lookup or plain AR steps)
+    committed tokens since `before` (an earlier `internal_state(...)["selfspec"]`; None: since
+    start-up). Read from /server_info (the worker's own counts), not from the log. Returns the
+    tokens each kind of step committed over that span."""
+    state = internal_state(base_url).get("selfspec")
+    assert state is not None, "no selfspec worker in /server_info: the mode never engaged"
+    assert state["mode"] == mode, state["mode"]
+
+    def tokens(s):
+        return {k: v["tokens"] for k, v in ((s or {}).get("steps_by_kind") or {}).items()}
+    now, then = tokens(state), tokens(before)
+    kinds = {k: now[k] - then.get(k, 0) for k in now}
+    assert kinds.get("own", 0) > 0, f"no tokens from {mode}'s own steps: {kinds}"
+    return kinds
+
+
 def tokens_in_use(base_url: str) -> int:
     """KV tokens held by requests (running + cached prefixes locked by them). The tests run with
     --disable-radix-cache, so finished requests hold nothing: 0 when idle."""

@@ -313,7 +313,7 @@ def test_readme_command_serves_verbatim_without_an_accelerator(tmp_path, tiny_ba
     import time
     import urllib.request
 
-    from sglang_fixtures import native_generate
+    from sglang_fixtures import check_own_steps, native_generate
 
     from selfspec.serving import free_port
 
@@ -337,6 +337,7 @@ def test_readme_command_serves_verbatim_without_an_accelerator(tmp_path, tiny_ba
         assert proc.poll() is None, log.read_text()[-4000:]
         res = native_generate(f"http://127.0.0.1:{port}", [1, 2, 3, 4], 8)
         assert len(res["output_ids"]) == 8 and res["meta_info"]["selfspec_mode"] == "ISD"
+        check_own_steps(f"http://127.0.0.1:{port}", "ISD")
         text = log.read_text()
         assert "No accelerator" not in text
         line = next(x for x in text.splitlines() if "no accelerator found" in x)

@@ -34,8 +34,8 @@ from sglang_fixtures import (
 pytestmark = pytest.mark.server
 
 ISD_OPTIONS = {"stride": 3, "context_tokens": 4, "context_corpus": False}
-# the aggregate log line and gauges every 2 steps (default 40): the metrics test sees its own steps
-# flushed whichever test ran before it
+# the aggregate gauges (and log line) every 2 steps (default 40): the metrics test sees its own
+# steps flushed whichever test ran before it
 server = mode_server_fixture("isd", ["--speculative-algorithm", "ISD", "--selfspec-stride", "3", "--enable-metrics",
                                      "--selfspec-policy", "own",
                                      "--selfspec-options", "context_tokens=4,context_corpus=false"],
@@ -216,8 +216,8 @@ def test_logprobs_through_the_openai_client_streaming_included(client, heldout_i
     assert len(chat.choices[0].logprobs.content) >= 1 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
 
 
-def test_aggregate_tpf_in_logs_metrics_and_server_info(server, heldout_ids):
-    from sglang_fixtures import internal_state
+def test_aggregate_tpf_in_metrics_and_server_info(server, heldout_ids):
+    from sglang_fixtures import check_own_steps, internal_state
 
     before = internal_state(server.base_url)["selfspec"]
     # short max_tokens and a stop token: steps emit runs that SGLang truncates
@@ -235,7 +235,12 @@ def test_aggregate_tpf_in_logs_metrics_and_server_info(server, heldout_ids):
         text = r.read().decode()
     assert "sglang:spec_accept_length" in text
     assert 'selfspec:tokens_per_forward{mode="ISD"}' in text
-    assert "[selfspec] ISD: accepted length" in server.log_file.read_text()
+    # ISD's own steps committed every token of the burst but each request's first, its prefill's
+    # (`--selfspec-policy own`: no lookup or AR steps); the steps also count what SGLang then cut
+    # at the stop token or max_tokens
+    kinds = check_own_steps(server.base_url, "ISD", before)
+    assert {k for k, v in kinds.items() if v} == {"own"}, kinds
+    assert kinds["own"] >= after["committed_tokens"] - before["committed_tokens"] - len(metas)
 
 
 def test_a_request_finished_by_its_prefill_is_counted_at_once(server, heldout_ids):

@@ -41,9 +41,10 @@ def test_jacobi_greedy_equals_ar_burst_and_kv_released(server, heldout_ids, ar_r
 def test_jacobis_default_policy_speculates(server):
     """The server runs JACOBI's default policy (no plan file; the options above go to its own
     step): after the sequential and burst passes, its greedy tokens came from speculative steps."""
-    from sglang_fixtures import check_default_speculates
+    from sglang_fixtures import check_default_speculates, check_own_steps
 
     check_default_speculates(server.base_url)
+    check_own_steps(server.base_url, "JACOBI")  # the mode's own step served the batches of one
 
 
 def test_jacobi_refuses_sampling(server, heldout_ids):

@@ -51,9 +51,10 @@ def test_risd_greedy_equals_base_ar_burst_and_kv_released(server, heldout_ids, a
 def test_risds_default_policy_speculates(server):
     """No plan file, no options: RISD's default policy; after the greedy passes above its tokens
     came from speculative steps."""
-    from sglang_fixtures import check_default_speculates
+    from sglang_fixtures import check_default_speculates, check_own_steps
 
     check_default_speculates(server.base_url)
+    check_own_steps(server.base_url, "RISD")  # the mode's own step served the batches of one
 
 
 def test_risd_sampling_matches_the_ar_servers_sampling(server, ar_reference):

@@ -22,8 +22,12 @@ server = mode_server_fixture("sjd", ["--speculative-algorithm", "SJD", "--selfsp
 
 
 def test_sjd_greedy_equals_ar_sequential(server, heldout_ids, ar_reference):
+    from sglang_fixtures import check_own_steps
+
     res = check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=False)
     assert all(m["selfspec_mode"] == "SJD" for m in res["metas"])
+    kinds = check_own_steps(server.base_url, "SJD")  # SJD's own steps, and only they (policy `own`)
+    assert {k for k, v in kinds.items() if v} == {"own"}, kinds
 
 
 def test_sjd_greedy_equals_ar_burst_and_kv_released(server, heldout_ids, ar_reference):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_fixtures import native_generate, server_args, start_server
+from sglang_fixtures import check_own_steps, internal_state, native_generate, server_args, start_server
 
 pytestmark = pytest.mark.server
 
@@ -44,14 +44,19 @@ def _ids(model_dir: Path) -> list[list[int]]:
     return [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
 
-def _serve_and_compare(tmp_path_factory, name, model, extra, reference, prompts_ids, mode):
+def _serve_and_compare(tmp_path_factory, name, model, extra, reference, prompts_ids, mode) -> dict:
+    """Serve `model` in `mode` and send the prompts one at a time: each answer is the reference
+    and says it was served by `mode`; /server_info says the mode's own steps ran and committed
+    tokens (a server that silently decoded plain AR would pass the output check alone). Returns
+    the server's selfspec state."""
     proc = start_server(tmp_path_factory, name, server_args("--disable-radix-cache", *extra), model=model)
     try:
         for ids, ref in zip(prompts_ids, reference):
             out = native_generate(proc.base_url, ids, MAX_NEW, ignore_eos=True)
             assert out["output_ids"] == ref
-            mode_seen = out.get("meta_info", {}).get("selfspec_mode")
-            assert mode_seen in (None, mode)
+            assert out["meta_info"]["selfspec_mode"] == mode
+        check_own_steps(proc.base_url, mode)
+        return internal_state(proc.base_url)["selfspec"]
     finally:
         proc.stop()
 
@@ -67,7 +72,8 @@ def test_risd_adapter_export_serves_in_sglang(exports, micro_dir, tmp_path_facto
     ids = _ids(micro_dir)
     ref = _hf_greedy(micro_dir, ids)  # RISD is lossless: the base's greedy AR output
     extra = ["--speculative-algorithm", "RISD", "--selfspec-lora", str(exports["risd"]), "--selfspec-stride", "3"]
-    _serve_and_compare(tmp_path_factory, "risd-export", micro_dir, extra, ref, ids, "RISD")
+    state = _serve_and_compare(tmp_path_factory, "risd-export", micro_dir, extra, ref, ids, "RISD")
+    assert state["adapter"] is not None and state["adapter"]["layers"] > 0, state["adapter"]  # the export's LoRA
 
 
 def test_embedded_jacobi_forcing_model_serves_jacobi_with_no_flags(tmp_path_factory, heldout_prompts):
@@ -93,6 +99,7 @@ def test_embedded_jacobi_forcing_model_serves_jacobi_with_no_flags(tmp_path_fact
         assert [o["output_ids"] for o in par] == ref
         forwards = sum(o["meta_info"]["selfspec_forwards"] for o in seq)
         assert len(ids) * MAX_NEW / forwards > 1.3
+        check_own_steps(proc.base_url, "JACOBI")
     finally:
         proc.stop()
 
