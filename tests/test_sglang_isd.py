@@ -145,7 +145,7 @@ def test_streaming_with_stop_and_tiny_max_tokens(client, heldout_ids, tokenizer,
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1] == "stop"
 
 
-def test_sampling_valid_and_reproducible_with_seed(server, heldout_ids, tokenizer):
+def test_sampling_valid_and_reproducible_with_seed(server, heldout_ids, tokenizer, ar_reference):
     ids = heldout_ids[6]
     kw = dict(max_new_tokens=24, temperature=0.8, top_p=0.95, top_k=50)
     a = native_generate(server.base_url, ids, sampling_seed=1234, **kw)
@@ -153,8 +153,9 @@ def test_sampling_valid_and_reproducible_with_seed(server, heldout_ids, tokenize
     c = native_generate(server.base_url, ids, sampling_seed=99, **kw)
     assert a["output_ids"] == b["output_ids"]
     assert len(a["output_ids"]) == 24 or a["meta_info"]["finish_reason"]["type"] == "stop"
-    assert all(0 <= t < len(tokenizer) for t in a["output_ids"])
-    assert isinstance(tokenizer.decode(a["output_ids"]), str)
+    assert all(0 <= t < len(tokenizer) for t in a["output_ids"]) and tokenizer.mask_token_id not in a["output_ids"]
+    # sampled, not greedy; and the seed decides
+    assert a["output_ids"] != ar_reference["output_ids"][6][:24] and c["output_ids"] != a["output_ids"]
     # a seeded request is reproducible whatever runs beside it
     outs = burst(lambda s: native_generate(server.base_url, ids, sampling_seed=s, **kw), [1234, 99, 7, 1234])
     assert outs[0]["output_ids"] == a["output_ids"] == outs[3]["output_ids"]
