@@ -407,11 +407,48 @@ def check_mixed_burst(base_url: str, heldout_ids: list[list[int]], reference: di
                 f"{params}: the burst's distribution at token {pos} differs from the solo run's: {a} vs {b}"
 
 
+#: the chat request of the AR reference (`endpoint_answers`); a mode server answers it alike
+CHAT_REQUEST = {"messages": [{"role": "user", "content": "Sort a list."}], "max_tokens": 12}
+#: OpenAI completion parameters that the server must refuse with a 4xx, and keep serving
+INVALID_PARAMETERS = [{"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": -3}]
+
+
+def endpoint_answers(base_url: str) -> dict:
+    """The AR server's answers on its OpenAI endpoints and /server_info, recorded by
+    `ar_reference` while its server is up (`test_sglang_ar.py` checks them): a text-prompt
+    completion whole and streamed, a chat completion, the status of each INVALID_PARAMETERS
+    request and a completion after them, and /server_info's internal state when idle."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=600)
+    kw = dict(model="default", prompt="class Stack:\n", max_tokens=24, temperature=0)
+    whole = client.completions.create(**kw)
+    streamed = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
+    chat = client.chat.completions.create(model="default", temperature=0, **CHAT_REQUEST)
+    invalid = []
+    for bad in INVALID_PARAMETERS:
+        try:
+            client.completions.create(**{**kw, "max_tokens": 4, **bad})
+            invalid.append(200)
+        except openai.APIStatusError as e:
+            invalid.append(e.status_code)
+    after = client.completions.create(**{**kw, "max_tokens": 4})
+    wait_tokens_zero(base_url)
+    return {"completion": {"text": whole.choices[0].text, "finish_reason": whole.choices[0].finish_reason,
+                           "usage": whole.usage.model_dump()},
+            "streamed": streamed,
+            "chat": {"role": chat.choices[0].message.role, "content": chat.choices[0].message.content,
+                     "usage": chat.usage.model_dump()},
+            "invalid_statuses": invalid, "after_invalid": after.usage.completion_tokens,
+            "state": internal_state(base_url)}
+
+
 @pytest.fixture(scope="session")
 def ar_reference(tmp_path_factory, heldout_ids, tiny_base_path) -> dict:
     """Greedy outputs of the plain (AR) server on the held-out prompts, sequential requests, and
-    its sampled outputs on SAMPLE_TEXT (`check_sampling_matches_ar`). The AR server is stopped
-    before the fixture returns (one server at a time)."""
+    its sampled outputs on SAMPLE_TEXT (`check_sampling_matches_ar`), and its answers on the
+    OpenAI endpoints (`endpoint_answers`). The AR server is stopped before the fixture returns
+    (one server at a time)."""
     # Overlap scheduling off: with it, SGLang's own AR path counts penalties one token late (the
     # penalizer reads req.output_ids[-1] before the previous step's token is appended, and the
     # last prompt token at the first decode); its non-overlap path counts what the penalty
@@ -436,9 +473,11 @@ def ar_reference(tmp_path_factory, heldout_ids, tiny_base_path) -> dict:
         long_ids = context_filling_prompt(heldout_ids)
         long_out = native_generate(proc.base_url, long_ids, CONTEXT_TAIL, ignore_eos=True)["output_ids"]
         fuzz, proc = fuzz_reference(proc, heldout_ids, restart=lambda: start_server(tmp_path_factory, "ar", ar_args))
-        return {"fuzz": fuzz, "long_ids": long_ids, "long_output": long_out,"output_ids": outs, "texts": texts, "sample_ids": sample_ids, "samples": samples,
-                "sample_greedy": tuple(greedy), "rule_requests": requests, "rule_outputs": ruled,
-                "logprobs": logprobs, "ruled_logprobs": ruled_logprobs}
+        endpoints = endpoint_answers(proc.base_url)
+        return {"fuzz": fuzz, "long_ids": long_ids, "long_output": long_out, "output_ids": outs, "texts": texts,
+                "sample_ids": sample_ids, "samples": samples, "sample_greedy": tuple(greedy),
+                "rule_requests": requests, "rule_outputs": ruled, "logprobs": logprobs,
+                "ruled_logprobs": ruled_logprobs, "endpoints": endpoints}
     finally:
         proc.stop()
 

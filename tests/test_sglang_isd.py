@@ -84,11 +84,13 @@ def test_openai_client_text_equals_ar(client, heldout_ids, ar_reference, tokeniz
         assert out.usage.completion_tokens == len(ref)
 
 
-def test_chat_completion(client):
-    out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Sort a list."}],
-                                         max_tokens=12, temperature=0)
-    assert out.choices[0].message.content is not None
-    assert 0 < out.usage.completion_tokens <= 12
+def test_chat_completion_equals_ar(client, ar_reference):
+    from sglang_fixtures import CHAT_REQUEST
+
+    want = ar_reference["endpoints"]["chat"]
+    out = client.chat.completions.create(model="default", temperature=0, **CHAT_REQUEST)
+    assert out.choices[0].message.content == want["content"]
+    assert out.usage.completion_tokens == want["usage"]["completion_tokens"]
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 7])
