@@ -120,6 +120,11 @@ def test_bench_serve_ar_and_sjd(tmp_path, tiny_base_path):
             assert nl["ratio_vs_ar"] is not None
         assert by_mode[mode]["notes"] == []
     assert all(lv["ratio_vs_ar"] == pytest.approx(1.0) for lv in by_mode["ar"]["levels"])
+    # SJD's own steps served the requests one at a time (the server's counts, /server_info); the
+    # AR server has no selfspec worker to count
+    shares = by_mode["sjd"]["levels"][0]["tokens_by_step_kind"]
+    assert shares and shares.get("own", 0) > 0, shares
+    assert all(lv["tokens_by_step_kind"] is None for lv in by_mode["ar"]["levels"])
     assert png.stat().st_size > 0
 
 
