@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from sglang_fixtures import TEST_DTYPE, burst, native_generate, start_server
+from sglang_fixtures import TEST_DTYPE, burst, check_own_steps, native_generate, start_server
 from test_watermark import first_repeat
 
 pytestmark = pytest.mark.server
@@ -63,9 +63,12 @@ def ar_marked(tmp_path_factory, ar_reference, prompts) -> dict:
         proc.stop()
 
 
+#: the modes alone on every step (`--selfspec-policy own`): the default policy serves sampled
+#: batches with plain AR steps, which would leave the modes' own sampled steps untested here
 MODES = {
-    "isd": ["--speculative-algorithm", "ISD", "--selfspec-stride", "3", "--selfspec-options", "context_tokens=4"],
-    "sjd": ["--speculative-algorithm", "SJD", "--selfspec-options", "context_tokens=4"],
+    "isd": ["--speculative-algorithm", "ISD", "--selfspec-policy", "own", "--selfspec-stride", "3",
+            "--selfspec-options", "context_tokens=4"],
+    "sjd": ["--speculative-algorithm", "SJD", "--selfspec-policy", "own", "--selfspec-options", "context_tokens=4"],
 }
 
 
@@ -73,7 +76,9 @@ MODES = {
 def mode_marked(request, tmp_path_factory, ar_marked, prompts) -> tuple[str, dict]:
     proc = start_server(tmp_path_factory, f"{request.param}-watermark", wm_args(*MODES[request.param]))
     try:
-        return request.param, collect(proc.base_url, prompts)
+        got = collect(proc.base_url, prompts)
+        got["own_steps"] = check_own_steps(proc.base_url, request.param.upper())  # the mode's steps wrote them
+        return request.param, got
     finally:
         proc.stop()
 
