@@ -130,6 +130,10 @@ def test_started_with_the_parallel_layout(case):
 def test_burst_equals_single_process_ar_and_every_rank_releases_kv(case, heldout_ids, ar_reference):
     res = check_lossless(case["server"].base_url, heldout_ids, ar_reference, concurrent=True)
     assert all(m["selfspec_mode"] == case["mode"].upper() for m in res["metas"])
+    states = [s["selfspec"] for s in rank_states(case["server"].base_url)]  # the worker's own counts
+    assert all(s["mode"] == case["mode"].upper() for s in states), [s["mode"] for s in states]
+    own = [s["steps_by_kind"].get("own", {}).get("tokens", 0) for s in states]
+    assert sum(own) > 0, f"no tokens from {case['mode']}'s own steps on any rank: {states}"
     used = wait_all_ranks_idle(case["server"].base_url)
     assert used == [0] * len(used), used
 
