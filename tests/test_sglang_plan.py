@@ -26,9 +26,10 @@ PLAN = [{"max_batch": 2, "stride": 3, "context_tokens": 4},
          "branches": 2, "caps": True, "adaptive": True},  # capped, adaptive: rows of one ragged forward
         # draft different lengths, each following its request's recent acceptance
         {"max_batch": 8, "mode": "ar"}, {"max_batch": None, "stride": 2}]
-#: each bucket's forward width: ISD 1 + 2(N-1) (+ candidate 4 + its MASK tail N-1), a lookup
-#: step 1 + two candidates, AR 1
-WIDTHS = {11, 9, 1, 3}
+#: the forward widths of the buckets whose width is fixed: ISD 1 + 2(N-1) + candidate 4 + its MASK
+#: tail N-1 at stride 3, 1 + 2(N-1) at stride 2, AR 1. (A lookup step's width is 1 + its drafts,
+#: whose lengths follow each request's recent acceptance: `adaptive`; its steps are counted by kind.)
+WIDTHS = {11, 1, 3}
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +66,12 @@ def test_planned_greedy_equals_ar_burst(server, heldout_ids, ar_reference):
     check_lossless(server.base_url, heldout_ids, ar_reference, concurrent=True)
     assert WIDTHS <= _widths_served(server), _widths_served(server)
     assert wait_tokens_zero(server.base_url) == 0
-    # the AR bucket's one-token steps ran, on the ragged verify path (this CPU's default), not
-    # SGLang's decode forward: a batch-16 AR step costs ~20% less there
     from sglang_fixtures import internal_state
 
+    kinds = internal_state(server.base_url)["selfspec"]["steps_by_kind"]
+    assert kinds.get("lookup", {}).get("steps", 0) > 0, kinds  # the lookup bucket ran
+    # the AR bucket's one-token steps ran, on the ragged verify path (this CPU's default), not
+    # SGLang's decode forward: a batch-16 AR step costs ~20% less there
     state = internal_state(server.base_url)["selfspec"]
     assert state["ar_steps"] > 0 and state["ar_steps_as_decode"] == 0, state
     # the online check measured the planned buckets against plain AR steps while serving
