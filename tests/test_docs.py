@@ -121,7 +121,7 @@ def sglang_root() -> Path:
     `sglang.x.y` names in the docs are SGLang's own files."""
     spec = importlib.util.find_spec("sglang")
     if spec is None:
-        pytest.skip("SGLang is not installed: the docs cite its files")
+        pytest.fail("SGLang is not installed (the docs cite its files): run `make setup`")
     return Path(next(iter(spec.submodule_search_locations))).parent
 
 

@@ -23,7 +23,7 @@ def _shared_venv() -> Path:
     """The cached venv this checkout's .venv sits on (its setup marker), or skip."""
     marker = REPO / ".venv" / ".selfspec-deps"
     if not marker.is_file():
-        pytest.skip("this checkout has no .venv made by `make setup`")
+        pytest.fail("this checkout has no .venv made by `make setup`: run `make setup`")
     return Path(marker.read_text().split()[0])
 
 
@@ -48,7 +48,8 @@ def test_two_clones_each_run_their_own_code(tmp_path):
     _run(["git", "clone", "--quiet", "--local", str(REPO), str(clone)], cwd=tmp_path)
     reqs = b"".join((clone / "requirements" / f).read_bytes() for f in ("cpu.txt", "sglang.txt"))
     if not (shared.parent / f"venv-{hashlib.sha256(reqs).hexdigest()[:16]}" / ".complete").exists():
-        pytest.skip("HEAD's requirements differ from this checkout's cached venv (setup would build a new one)")
+        pytest.fail("HEAD's requirements differ from this checkout's cached venv: commit requirements/ "
+                    "(setup would build a new venv)")
     try:
         with open(clone / "selfspec" / "__init__.py", "a") as f:
             f.write('CLONE_MARK = "clone"\n')

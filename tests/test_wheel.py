@@ -43,7 +43,7 @@ def _copy_checkout(dest: Path) -> None:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     if importlib.util.find_spec("setuptools") is None:
-        pytest.skip("building the wheel needs setuptools")
+        pytest.fail("building the wheel needs setuptools: run `make setup`")
     root = tmp_path_factory.mktemp("wheel")
     _copy_checkout(root / "src")
     proc = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(root / "dist"),
@@ -75,7 +75,7 @@ def test_installed_from_the_wheel_selfspec_reads_its_data_from_the_install(wheel
     the venv, and rebuilding an embedded model in place is refused."""
     sglang = importlib.util.find_spec("sglang")
     if sglang is None:
-        pytest.skip("needs an environment with SGLang")
+        pytest.fail("needs an environment with SGLang: run `make setup`")
     deps_site = Path(sglang.origin).parents[1]
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
