@@ -58,8 +58,9 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_the_wheel_carries_the_package_data_and_no_tests(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    for name in ("tune", "eval", "heldout"):
+    for name in ("tune", "eval", "heldout", "external"):
         assert f"selfspec/data/prompts/{name}.jsonl" in names
+    assert "selfspec/data/prompts/external.provenance.json" in names
     for model in ("tiny-base", "tiny-idlm", "tiny-idlm-lora", "tiny-jf", "tiny-c2i-student", "mnist-vq256"):
         assert any(n.startswith(f"selfspec/assets/{model}/") for n in names), model
     assert "selfspec/assets/tiny-base/model.safetensors" in names
@@ -89,10 +90,10 @@ def test_installed_from_the_wheel_selfspec_reads_its_data_from_the_install(wheel
     cwd.mkdir()
     probe = ("import selfspec; from selfspec.prompts import HELDOUT_PROMPTS, load_prompt_set; "
              "print(selfspec.__file__); print(len(load_prompt_set('tune')), len(load_prompt_set('eval')), "
-             "len(load_prompt_set(str(HELDOUT_PROMPTS))))")
+             "len(load_prompt_set(str(HELDOUT_PROMPTS))), len(load_prompt_set('external')))")
     out = _run([str(python), "-c", probe], cwd=cwd).stdout.split("\n")
     assert out[0] == str(site / "selfspec" / "__init__.py")
-    assert [int(n) for n in out[1].split()] == [160, 160, 128]
+    assert [int(n) for n in out[1].split()] == [160, 160, 128, 160]
 
     proc = subprocess.run([str(venv / "bin" / "selfspec"), "train", "tiny-idlm", "--no-measure"], cwd=cwd,
                           capture_output=True, text=True, timeout=300)

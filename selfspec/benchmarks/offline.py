@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated modes (default {DEFAULT_MODES}); LABEL=MODE adds a variant of a mode "
                         "under its own name, e.g. isd,isd-ctx=isd with --mode-config isd-ctx:context_tokens=8")
     parser.add_argument("--model", default="tiny-base", help="embedded model name or checkpoint / adapter dir")
-    parser.add_argument("--prompts", default="eval", help="a prompt set: eval (default), tune, humaneval, or a "
+    parser.add_argument("--prompts", default="eval", help="a prompt set: eval (default), tune, humaneval, external, or a "
                         'JSON-lines file of {"prompt": "..."} rows')
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=None, help="prompts per batch (default: all)")

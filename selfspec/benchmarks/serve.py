@@ -98,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrency levels")
     parser.add_argument("--prompts", default="eval",
                         help="a prompt set: eval (default; what reported numbers use), tune (what plans and constants are "
-                        "fitted on), humaneval (HumanEval's 164 prompts), or a JSON-lines file of {\"prompt\": text}")
+                        "fitted on), humaneval (HumanEval's 164 prompts), external (160 prompts of networkx, code the models never "
+                        "saw), or a JSON-lines file of {\"prompt\": text}")
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts sent per concurrency level (at least C at level C: a "
                         "level always fills its concurrency)")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")

@@ -99,7 +99,7 @@ RECIPES: dict[str, IDLMConfig] = {
 # ------------------------------------------------------------------------------ measurement
 def measure_prompts(prompts: str | Path, tokenizer, limit: int) -> tuple[str, list[list[int]]]:
     """(how a measurement names its prompts, their token ids): a prompt set (`selfspec.prompts`:
-    tune, eval, humaneval) or a JSON-lines file, the first `limit` prompts."""
+    tune, eval, humaneval, external) or a JSON-lines file, the first `limit` prompts."""
     from selfspec.prompts import SET_NAMES, load_prompts
 
     label = str(prompts) if str(prompts) in SET_NAMES else recorded_path(str(Path(prompts).resolve()))
@@ -283,7 +283,7 @@ def add_measure_parser(sub, help: str) -> None:
     p.add_argument("--no-record", action="store_true", help="print only; do not write the numbers into the model")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompts", default=None,
-                   help="a prompt set (tune, eval, humaneval) or a JSON-lines file (default: the held-out prompts, "
+                   help="a prompt set (tune, eval, humaneval, external) or a JSON-lines file (default: the held-out prompts, "
                         "selfspec/data/prompts/heldout.jsonl); another set is recorded under measured_by_prompts.SET")
 
 
