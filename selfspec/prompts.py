@@ -344,7 +344,7 @@ def long_prompts(tokenizer, n_tokens: int, count: int, split: str = "eval") -> l
     each starts at a `def` / `class` line or after a blank line of a file and holds whole tokens
     of it. The possible starts of all the files (in path order) are taken at even steps, the
     next one where a start gives no exact window; the list goes through the files in turn. The
-    files hold about 55,000 tokens (eval), so long windows overlap: fewer than `count` come back
+    files hold about 53,000 tokens (eval), so long windows overlap: fewer than `count` come back
     only when the files hold fewer possible starts."""
     files = [f for f in sorted(load_stdlib_split().heldout, key=lambda f: f.relpath) if split_of(f.relpath) == split]
     candidates: list[tuple[int, int, int]] = []  # (file, char offset, first token of the window)
