@@ -41,7 +41,8 @@ import numpy as np
 
 from selfspec.benchmarks.repetition import is_repetition_loop
 from selfspec.benchmarks.serve import level_sizes
-from selfspec.decoding.modes.corpus import SharedCorpus
+from selfspec.decoding.modes.corpus import OCCURRENCES, SharedCorpus
+from selfspec.decoding.modes.tree_verify import build_tree
 from selfspec.decoding.widths.draft_length import RecentAcceptance
 from selfspec.decoding.modes.ngram import CONTEXT_MATCH_SIZES, WEAK_MATCH_CAPS, SuffixIndex
 from selfspec.decoding.step import DecodeSequence
@@ -86,6 +87,35 @@ class SelfspecDrafter:
 
     def stepped(self, reqs: list[Request]) -> None:
         pass  # SuffixIndex adds the text to the corpus when it next proposes
+
+
+class TreeDrafter:
+    """selfspec's draft tree (`SuffixIndex.tree`): every kept place the suffix occurred, in the
+    request's own text and the corpus, merged and scored (`draft_tree.py`), `budget` draft
+    tokens at most (NGRAM's 11 besides the root), nodes scored below `min_score` left out."""
+
+    def __init__(self, budget: int, min_score: float = 0.0, depth: int = NGRAM_DRAFT_TOKENS, adaptive: bool = False):
+        self.budget, self.min_score, self.depth, self.adaptive = budget, min_score, depth, adaptive
+        self.corpus = SharedCorpus()
+        self.name = f"tree{budget}" + (f"s{min_score:g}" if min_score else "") + ("a" if adaptive else "")
+
+    def start(self, req: Request) -> None:
+        index = SuffixIndex(CONTEXT_MATCH_SIZES, self.corpus, DecodeSequence(list(req.prompt)), occurrences=OCCURRENCES)
+        req.state = (index, RecentAcceptance(self.depth) if self.adaptive else None)
+
+    def paths(self, req: Request) -> list[list[int]]:
+        index, recent = req.state
+        nodes = index.tree(req.history(), recent.limit() if recent is not None else self.depth, self.budget,
+                           min_score=self.min_score)
+        req.query_tokens += len(nodes) + 1
+        return [p.tokens for p in build_tree(0, nodes)[1].paths]
+
+    def record(self, req: Request, committed: int) -> None:
+        if req.state[1] is not None:
+            req.state[1].record(committed - 1)
+
+    def stepped(self, reqs: list[Request]) -> None:
+        pass
 
 
 class NgramDrafter:
@@ -171,13 +201,15 @@ def replay(drafter, data: list[tuple[list[int], list[int]]], levels: list[int], 
 
 
 def replay_set(name: str, data: list, levels: list[int], sizes: list[int], lengths: list[int], costs,
-               costs_path: str | None) -> dict:
+               costs_path: str | None, tree_scores: list[float] = (0.0,)) -> dict:
     """Every drafter replayed on one prompt set's AR outputs; prints its table, returns {drafter: rows}."""
     out: dict = {}
     print(f"\n{name}\n{'drafter':>14} " + " ".join(f"{'C=' + str(c):>20}" for c in levels)
           + "   (tokens/step: all / non-looping [query tokens/step])")
     drafters = [NgramDrafter()] + [SelfspecDrafter(k, capped, adaptive) for k in lengths
                                    for capped, adaptive in ((False, False), (True, False), (True, True))]
+    drafters += [TreeDrafter(NGRAM_DRAFT_TOKENS - 1, score, adaptive=adaptive)
+                 for score in tree_scores for adaptive in (False, True)]
     priced: list[str] = []
     for drafter in drafters:
         res = replay(drafter, data, levels, sizes)
@@ -204,12 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4,16,32", help="levels, as bench serve (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="AR output tokens per request (default 128)")
     p.add_argument("--tokens", default="8,12,16", help="selfspec candidate lengths K to replay (default %(default)s)")
+    p.add_argument("--tree-scores", default="0", help="draft trees to replay, by their nodes' least score "
+                                                          "(`draft_tree.draft_tree` min_score; default %(default)s)")
     p.add_argument("--costs", help="a `selfspec tune --json` report: price each level's steps by its forward-cost table")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     try:
         levels = [int(x) for x in args.concurrency.split(",")]
         lengths = [int(x) for x in args.tokens.split(",")]
+        tree_scores = [float(x) for x in args.tree_scores.split(",")] if args.tree_scores else []
     except ValueError:
         p.error("--concurrency and --tokens take comma-separated integers, e.g. 1,4,16")
     from selfspec.prompts import SET_NAMES
@@ -244,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         outs = engine.generate(prompts, args.max_tokens, SamplingParams(), stop_token_ids=[], batch_size=32)
         data = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outs)]
-        report["sets"][name] = replay_set(name, data, levels, sizes, lengths, costs, args.costs)
+        report["sets"][name] = replay_set(name, data, levels, sizes, lengths, costs, args.costs, tree_scores)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")

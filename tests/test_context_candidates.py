@@ -73,6 +73,9 @@ def tree_outcomes(monkeypatch):
     ("ngram", {"num_draft": 4, "match_sizes": (3, 2, 1), "branches": 2}),
     # lookup steps whose draft length follows each request's recent acceptance
     ("ngram", {"num_draft": 6, "match_sizes": (3, 2, 1), "caps": True, "adaptive": True}),
+    # lookup steps drafting a token tree over every place the suffix occurred
+    ("ngram", {"num_draft": 6, "match_sizes": (2, 1), "tree": 8}),
+    ("ngram", {"num_draft": 4, "match_sizes": (3, 2, 1), "tree": 11, "adaptive": True, "tree_min_score": 0.05}),
 ])
 def test_candidates_are_greedy_ar(setup, tree_outcomes, mode, config):
     model, mask_id, prompts, reference, adapter = setup
@@ -93,7 +96,7 @@ def test_candidates_are_greedy_ar(setup, tree_outcomes, mode, config):
 
 def _chains_only(mode: str, config: dict) -> bool:
     """Lookup steps of one candidate: verified as chains, never as a tree."""
-    return config.get("stride") == 1 or (mode == "ngram" and config.get("branches", 1) == 1)
+    return config.get("stride") == 1 or (mode == "ngram" and config.get("branches", 1) == 1 and not config.get("tree"))
 
 
 def test_jacobi_with_context_candidate_is_greedy_ar(setup):
@@ -170,6 +173,7 @@ def test_two_paths_keep_the_distribution_of_each_position():
     ("sjd", {"window": 2, "context_tokens": 3, "context_match_sizes": (1,)}),
     ("ngram", {"num_draft": 3, "match_sizes": (1,), "branches": 2}),
     ("ngram", {"num_draft": 3, "match_sizes": (1,), "adaptive": True}),
+    ("ngram", {"num_draft": 3, "match_sizes": (1,), "tree": 5}),
 ])
 def test_sampled_candidates_keep_ar_sampling(tree_outcomes, mode, config):
     model = tiny_qwen3(8, hidden_size=32, seed=4, initializer_range=0.3).eval()
@@ -434,3 +438,53 @@ def test_a_step_of_chains_only_hands_its_logits_on_uncopied():
     seqs[1].state.plan = object()
     assert finish_split(seqs, logits, ctx, chains, tree) == ["chain0", "tree1", "chain2"]
     assert torch.equal(seen[-1], logits[[0, 2]])
+
+
+def test_a_draft_tree_takes_the_most_travelled_branches_first():
+    """Continuations merged into a trie, nodes taken best first by the share of places that went
+    that way (times the match's confidence per token), each after its parent, cut by the budget
+    and by the least score."""
+    from selfspec.decoding.modes.draft_tree import draft_tree, match_confidence
+
+    conts = [([1, 2, 3], 1.0), ([1, 2, 4], 1.0), ([1, 5], 1.0)]
+    assert draft_tree(conts, 10, 1.0) == [(1, -1), (2, 0), (3, 1), (4, 1), (5, 0)]
+    assert draft_tree(conts, 3, 1.0) == [(1, -1), (2, 0), (3, 1)]
+    assert draft_tree(conts, 10, 1.0, min_score=0.5) == [(1, -1), (2, 0)]
+    # a 1-token match: the other first token (0.5 x 1/4) beats the majority's third (0.5^3 x 3/4);
+    # a 32-token match: the majority's chain first
+    conts = [([7, 8, 9], 3.0), ([6], 1.0)]
+    assert [t for t, _ in draft_tree(conts, 3, match_confidence(1))] == [7, 8, 6]
+    assert [t for t, _ in draft_tree(conts, 3, match_confidence(32))] == [7, 8, 9]
+
+
+def test_a_tree_layout_lays_each_node_once_and_each_sees_its_ancestors():
+    from selfspec.decoding.modes.tree_verify import build_tree
+    from selfspec.decoding.step import StepLayout, collate
+    from selfspec.sglang_ext.worker import pad_layout
+
+    lay, plan = build_tree(9, [(1, -1), (2, 0), (3, 1), (4, 1), (5, 0)])
+    assert lay.tokens == [9, 1, 2, 3, 4, 5] and lay.offsets == [0, 1, 2, 3, 3, 2]
+    assert [(p.tokens, p.rows, p.end_row) for p in plan.paths] == [
+        ([1, 2, 3], [0, 1, 2], 3), ([1, 2, 4], [0, 1, 2], 4), ([1, 5], [0, 1], 5)]
+    padded = pad_layout(lay, 8, pad_token=0)
+    batch = collate([padded, StepLayout([3, 4])])
+    seen = batch.local[0]
+    assert seen[4].nonzero().flatten().tolist() == [0, 1, 2, 4]  # node 4 sees 2, 1, the root: not its sibling 3
+    assert seen[5].nonzero().flatten().tolist() == [0, 1, 5]
+    assert not seen[:6, 6:].any() and seen[6:, 0].all()  # padding: seen by nobody, sees the root
+    assert batch.local[1, 1].tolist()[:2] == [True, True]  # a chain row beside it stays causal
+    assert batch.seen(0, 6)[4] == [1, 2, 4]
+
+
+def test_the_tree_index_drafts_every_place_a_suffix_occurred():
+    """Own history with the suffix (5, 6) followed by 7 twice and by 8 once: the tree branches
+    there, the majority first; with no second place it is the lagged copy, one chain."""
+    index = SuffixIndex((2,), occurrences=8)
+    history = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 7, 3, 5, 6]
+    nodes = index.tree(history, 3, 6)
+    assert nodes[0] == (7, -1) and (8, -1) in nodes
+    assert {t for t, p in nodes if p == 0} == {1, 3}  # after 7: both places' next tokens
+    single = SuffixIndex((2,), occurrences=8).tree([1, 2, 3, 1, 2], 4, 6)
+    assert single == [(3, -1), (1, 0), (2, 1), (3, 2)]
+    with pytest.raises(ValueError):
+        ngram.NgramConfig(tree=4, branches=2)

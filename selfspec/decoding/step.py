@@ -8,7 +8,8 @@ the cached prefix. A step is:
    (token 0 is always the pending token), their position offsets from the pending token, the
    visibility among them (`branch`: 0 = shared trunk seen by everyone after it; equal ids see
    each other causally; so all-zero is plain causal attention, distinct ids make a tree of
-   branches over the trunk), and the per-token LoRA gate (RISD).
+   branches over the trunk; or `parent`, a token tree: each query token sees its ancestors and
+   itself, as a lookup step's draft tree shares nodes), and the per-token LoRA gate (RISD).
 2. The engine runs one forward over `collate(layouts)` with the cached prefix visible to every
    query and returns logits [B, W, V] (row i predicts the token after query token i).
 3. `Mode.finish(seqs, batch, logits, ctx)` verifies with the rules of `selfspec.decoding.modes.verify`
@@ -25,6 +26,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 
 from selfspec.decoding.requests.sampling import SamplingFilters, SamplingParams, logits_to_probs
@@ -63,6 +65,7 @@ class StepLayout:
     offsets: list[int] | None = None  # position offset from the pending token; None: 0..W-1
     branch: list[int] | None = None  # visibility groups (see module doc); None: causal
     gate: list[bool] | None = None  # LoRA on at these tokens (RISD [MASK] positions)
+    parent: list[int] | None = None  # a tree: parent[i] < i is token i's parent (-1 for token 0); overrides branch
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -95,6 +98,16 @@ def branch_visibility(branch: torch.Tensor) -> torch.Tensor:
     return causal & ((bj == 0) | (bj == bi))
 
 
+def tree_visibility(parent: list[int], out: numpy.ndarray) -> None:
+    """Rows i < len(parent) of `out` [>= n, >= n] bool: token i sees its ancestors and itself.
+    numpy rows: a torch row copy per node was most of a 16-tree step's collate on a CPU."""
+    for i, p in enumerate(parent):
+        if p >= i:
+            raise ValueError(f"tree layout: token {i}'s parent {p} does not come before it")
+        out[i] = out[p] if p >= 0 else False
+        out[i, i] = True
+
+
 def collate(layouts: list[StepLayout], pad_token: int = 0, device=None) -> StepBatch:
     """Pad layouts to one width. Batch padding goes after every real token (branch -1), so no
     real query sees it, and it sees only the trunk and itself (no fully masked rows)."""
@@ -119,8 +132,13 @@ def collate(layouts: list[StepLayout], pad_token: int = 0, device=None) -> StepB
     tokens = torch.tensor(tok_rows, dtype=torch.long)
     offsets = torch.tensor(off_rows, dtype=torch.long)
     gate = torch.tensor(gate_rows, dtype=torch.bool) if any_gate else None
-    batch = StepBatch(tokens, offsets, branch_visibility(torch.tensor(branch_rows, dtype=torch.long)), gate,
-                      [len(lay) for lay in layouts])
+    local = branch_visibility(torch.tensor(branch_rows, dtype=torch.long))
+    if any(lay.parent is not None for lay in layouts):
+        view = local.numpy()  # shares local's memory
+        for b, lay in enumerate(layouts):
+            if lay.parent is not None:  # the batch padding after it keeps seeing its branch-0 tokens
+                tree_visibility(lay.parent, view[b])
+    batch = StepBatch(tokens, offsets, local, gate, [len(lay) for lay in layouts])
     if device is not None:
         batch.tokens, batch.offsets, batch.local = (t.to(device) for t in (batch.tokens, batch.offsets, batch.local))
         if batch.gate is not None:

@@ -23,10 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec.decoding.modes.corpus import SharedCorpus
+from selfspec.decoding.modes.corpus import OCCURRENCES, SharedCorpus
+from selfspec.decoding.modes.draft_tree import draft_tree, match_confidence
 from selfspec.decoding.widths.draft_length import RecentAcceptance
 from selfspec.decoding.requests.logits_rules import grammar_valid
-from selfspec.decoding.modes.tree_verify import TreePlan, build_branches, finish_split, path_outcome, verify_paths
+from selfspec.decoding.modes.tree_verify import (
+    TreePlan, build_branches, build_tree, finish_split, path_outcome, verify_paths,
+)
 from selfspec.decoding.step import (
     DecodeSequence, Mode, StepBatch, StepContext, StepLayout, StepOutcome, verify_drafts,
 )
@@ -57,6 +60,13 @@ WEAK_MATCH_CAPS: dict[tuple[bool, int], int] = {
 #: certain enough for any draft length served
 MAX_MATCH_LENGTH = 256
 
+#: The weight of the next shorter suffix's places in a draft tree (`SuffixIndex.tree`), beside the
+#: longest's 1: where the longest match occurred once, the shorter one's other places give the
+#: tree its second branches. Tokens per step of an 11-token tree, tune prompts, C = 4 / 16 / 32
+#: (`python bench/context_lookup.py --prompts tune`): 5.92 / 5.36 / 6.05 against 5.71 / 5.28 / 5.93
+#: with the longest suffix alone (0.1: 5.83 / 5.33 / 5.99; three suffix lengths: within 1%)
+TREE_BACKOFF_WEIGHT = 0.3
+
 #: Lookups a candidate chains when a continuation ends early (the match sat at the end of a
 #: document another request is still writing): the next one starts from history + candidate.
 CHAIN_LOOKUPS = 4
@@ -86,6 +96,10 @@ class NgramConfig:
     # > 0: a draft is at most this many times as long as its match (SuffixDecoding's
     # max_spec_factor): a match followed back through a loop drafts long, a short one short
     length_factor: float = 0.0
+    # > 0: the draft is a token tree of at most this many tokens, at most num_draft deep, over
+    # every kept place the suffix occurred (`SuffixIndex.tree`, `draft_tree.py`); 0: one chain
+    tree: int = 0
+    tree_min_score: float = 0.0  # ... without the nodes scored below this (`draft_tree.draft_tree`)
 
     def __post_init__(self) -> None:
         self.match_sizes = match_sizes(self.match_sizes, "ngram match_sizes")
@@ -95,6 +109,11 @@ class NgramConfig:
             raise ValueError(f"ngram branches must be 1 or 2, got {self.branches}")
         if self.length_factor < 0:
             raise ValueError(f"ngram length_factor must be >= 0 (0 = off), got {self.length_factor}")
+        if self.tree < 0 or not 0 <= self.tree_min_score < 1:
+            raise ValueError(f"ngram tree must be >= 0 draft tokens (0 = a chain) and tree_min_score in [0, 1), got "
+                             f"{self.tree} / {self.tree_min_score}")
+        if self.tree and self.branches > 1:
+            raise ValueError("ngram: choose tree (a draft tree) or branches: 2 (a second chain), not both")
 
     # the names of the other modes' context-candidate options (see module doc)
     @property
@@ -146,18 +165,21 @@ class SuffixIndex:
     history at each suffix length."""
 
     def __init__(self, sizes: tuple[int, ...], corpus: SharedCorpus | None = None, seq: DecodeSequence | None = None,
-                 weak_caps: dict[tuple[bool, int], int] | None = None, keep_previous: bool = False,
+                 weak_caps: dict[tuple[bool, int], int] | None = None, occurrences: int = 1,
                  length_factor: float = 0.0):
-        """`keep_previous`: also index each m-gram's occurrence before its latest (for
-        `alternative`; off, the indexing of every new token stays one dict write per length).
-        `length_factor` > 0: a draft is at most that many times as long as its match (the match
-        in the own history followed back token by token, `match_length`; one in the corpus is
-        its suffix)."""
+        """`occurrences` > 1: also index that many of each m-gram's latest occurrences (for
+        `alternative` and `tree`; at 1, the indexing of every new token stays one dict write per
+        length). `length_factor` > 0: a draft is at most that many times as long as its match
+        (the match in the own history followed back token by token, `match_length`; one in the
+        corpus is its suffix)."""
         self.sizes = sizes
         self.weak_caps = weak_caps or {}
         self.length_factor = length_factor
         self.last_end: dict[int, dict[tuple[int, ...], int]] = {m: {} for m in sizes}
-        self.prev_end: dict[int, dict[tuple[int, ...], int]] | None = {m: {} for m in sizes} if keep_previous else None
+        # each m-gram's earlier occurrences (before its latest), oldest first
+        self.occurrences = occurrences
+        self.earlier: dict[int, dict[tuple[int, ...], list[int]]] | None = (
+            {m: {} for m in sizes} if occurrences > 1 else None)
         self.indexed = 0  # m-grams ending before this position are indexed
         self.corpus = corpus
         self.doc: int | None = None
@@ -168,25 +190,32 @@ class SuffixIndex:
                 seq.corpus_doc = corpus.open()
             self.doc = seq.corpus_doc
 
-    def propose(self, history: list[int], k: int, shared: bool = True) -> list[int]:
-        """k tokens continuing the latest earlier occurrence of history's suffix (`lagged_copy`),
-        else (when `shared`) what most of its occurrences in the corpus's other documents go on
-        with (`SharedCorpus.continuation`), longest suffix first; a continuation that ends early is chained on from the
-        suffix of history + candidate (`CHAIN_LOOKUPS`); [] when it never occurred. The
-        sequence's text joins the corpus either way."""
+    def update(self, history: list[int]) -> None:
+        """Index the m-grams of `history` ending before its last token; the corpus gets them too."""
         end = len(history) - 1  # the suffix ends at `end`; index m-grams ending before it
         for pos in range(self.indexed, end):
             for m in self.sizes:
                 if pos - m + 1 >= 0:
                     key = tuple(history[pos - m + 1 : pos + 1])
-                    if self.prev_end is not None and key in self.last_end[m]:
-                        self.prev_end[m][key] = self.last_end[m][key]
+                    if self.earlier is not None and key in self.last_end[m]:
+                        kept = self.earlier[m].setdefault(key, [])
+                        kept.append(self.last_end[m][key])
+                        if len(kept) >= self.occurrences:
+                            del kept[0]
                     self.last_end[m][key] = pos
         self.indexed = max(self.indexed, end)
         if self.corpus is not None:  # the corpus holds what the own index holds: history[:end]
             have = self.corpus.length(self.doc)
             if have < end:
                 self.corpus.append(self.doc, history[have:end])
+
+    def propose(self, history: list[int], k: int, shared: bool = True) -> list[int]:
+        """k tokens continuing the latest earlier occurrence of history's suffix (`lagged_copy`),
+        else (when `shared`) what most of its occurrences in the corpus's other documents go on
+        with (`SharedCorpus.continuation`), longest suffix first; a continuation that ends early is chained on from the
+        suffix of history + candidate (`CHAIN_LOOKUPS`); [] when it never occurred. The
+        sequence's text joins the corpus either way."""
+        self.update(history)
         corpus = self.corpus if shared else None
         most = math.ceil(k / self.length_factor) if self.length_factor > 0 else 0
         out, match, length = self._lookup(history, k, corpus, most)
@@ -209,17 +238,16 @@ class SuffixIndex:
         step) within their common length: the continuation of the longest suffix at another
         place — an earlier occurrence in the own history, else one of the corpus's kept
         occurrences, latest first; [] when every place continues like `first`. Call after
-        `propose`, on an index made with `keep_previous`."""
-        if self.prev_end is None:
-            raise ValueError("SuffixIndex.alternative needs keep_previous=True")
+        `propose`, on an index made with `occurrences` > 1."""
+        if self.earlier is None:
+            raise ValueError("SuffixIndex.alternative needs occurrences > 1")
         end = len(history) - 1
         corpus = self.corpus if shared else None
         for m in self.sizes:
             if end - m + 1 < 0:
                 continue
             suffix = tuple(history[end - m + 1 : end + 1])
-            places = [lagged_copy(history, end - hit, k)
-                      for hit in (self.last_end[m].get(suffix), self.prev_end[m].get(suffix)) if hit is not None]
+            places = [lagged_copy(history, end - hit, k) for hit in self._own_hits(m, suffix)[:2]]
             if corpus is not None:
                 places += corpus.continuations(suffix, k, exclude=self.doc)
             for cand in places:
@@ -227,6 +255,44 @@ class SuffixIndex:
                 if cand and cand[:n] != first[:n]:
                     return cand
         return []
+
+    def tree(self, history: list[int], k: int, budget: int, shared: bool = True, min_score: float = 0.0
+             ) -> list[tuple[int, int]]:
+        """A draft tree of up to `budget` nodes, at most k deep (`draft_tree.draft_tree`): the
+        continuations of every kept occurrence of the longest suffix that occurred, in the own
+        history (the latest one as a `lagged_copy`, which runs on through a loop) and, when
+        `shared`, in the corpus's other documents, each weighted 1, and those of the next shorter
+        suffix that occurred weighted `TREE_BACKOFF_WEIGHT`; confidence from the longest match's
+        length (the latest own occurrence followed back, else the suffix's). [] when no suffix
+        occurred. Needs an index made with `occurrences` > 1."""
+        self.update(history)
+        end = len(history) - 1
+        corpus = self.corpus if shared else None
+        conts: list[tuple[list[int], float]] = []
+        length, weight = 0, 1.0
+        for m in self.sizes:
+            if end - m + 1 < 0:
+                continue
+            suffix = tuple(history[end - m + 1 : end + 1])
+            hits = self._own_hits(m, suffix)
+            found = [lagged_copy(history, end - hit, k) for hit in hits]
+            if corpus is not None:
+                found += corpus.continuations(suffix, k, exclude=self.doc)
+            if not found:
+                continue
+            conts += [(c, weight) for c in found]
+            if length:
+                break
+            length = match_length(history, end, hits[0], m, MAX_MATCH_LENGTH) if hits else m
+            weight = TREE_BACKOFF_WEIGHT
+        return draft_tree(conts, budget, match_confidence(length), min_score) if conts else []
+
+    def _own_hits(self, m: int, suffix: tuple[int, ...]) -> list[int]:
+        """The indexed own occurrences of `suffix` (its last token's position), latest first."""
+        hit = self.last_end[m].get(suffix)
+        if hit is None:
+            return []
+        return [hit] + (self.earlier[m].get(suffix, [])[::-1] if self.earlier is not None else [])
 
     def _lookup(self, context: list[int], k: int, corpus: SharedCorpus | None, most: int = 0
                 ) -> tuple[list[int], tuple[bool, int] | None, int]:
@@ -251,13 +317,13 @@ class SuffixIndex:
 
 
 def context_index(seq: DecodeSequence, config, corpus: SharedCorpus | None,
-                  keep_previous: bool = False) -> SuffixIndex | None:
+                  occurrences: int = 1) -> SuffixIndex | None:
     """The context lookup for `seq` of a mode whose `config` has the `context_*` options (None
-    when its candidates are off: `context_tokens` == 0); `keep_previous`: see `SuffixIndex`."""
+    when its candidates are off: `context_tokens` == 0); `occurrences`: see `SuffixIndex`."""
     if not config.context_tokens:
         return None
     return SuffixIndex(config.context_match_sizes, corpus if config.context_corpus else None, seq,
-                       WEAK_MATCH_CAPS if config.context_caps else None, keep_previous,
+                       WEAK_MATCH_CAPS if config.context_caps else None, occurrences,
                        config.context_length_factor)
 
 
@@ -301,10 +367,11 @@ class NgramMode(Mode):
         self.corpus = corpus
         self.tau = tau
         self.seeds_per_step = config.num_draft + 1
-        self.max_width = config.branches * config.num_draft + 1
+        self.max_width = (config.tree or config.branches * config.num_draft) + 1
 
     def start(self, seq: DecodeSequence) -> None:
-        seq.state = NgramState(context_index(seq, self.config, self.corpus, keep_previous=self.config.branches > 1),
+        several = self.config.branches > 1 or self.config.tree > 0
+        seq.state = NgramState(context_index(seq, self.config, self.corpus, OCCURRENCES if several else 1),
                                recent=RecentAcceptance(self.config.num_draft) if self.config.adaptive else None)
 
     def layouts(self, seqs: list[DecodeSequence]) -> list[StepLayout]:
@@ -312,6 +379,9 @@ class NgramMode(Mode):
         for s in seqs:
             st = s.state
             k = st.recent.limit() if st.recent is not None else self.config.num_draft
+            if self.config.tree and s.constraint is None:  # a grammar checks chains: its rows draft one
+                out.append(self._tree_layout(s, k))
+                continue
             st.drafts = grammar_valid(s, st.index.propose(s.history, k, shared=s.sampling.greedy))
             second = (grammar_valid(s, st.index.alternative(s.history, k, st.drafts, shared=s.sampling.greedy))
                       if self.config.branches > 1 and st.drafts else [])
@@ -321,6 +391,17 @@ class NgramMode(Mode):
                 lay, st.plan = StepLayout([s.pending, *st.drafts]), None
             out.append(lay)
         return out
+
+    def _tree_layout(self, s: DecodeSequence, k: int) -> StepLayout:
+        """The step's draft tree; a tree that is one chain is laid and verified as a chain."""
+        st = s.state
+        nodes = st.index.tree(s.history, k, self.config.tree, s.sampling.greedy, self.config.tree_min_score)
+        if all(p == i - 1 for i, (_, p) in enumerate(nodes)):
+            st.drafts, st.plan = [t for t, _ in nodes], None
+            return StepLayout([s.pending, *st.drafts])
+        st.drafts = []
+        lay, st.plan = build_tree(s.pending, nodes)
+        return lay
 
     def finish(self, seqs, batch: StepBatch, logits: torch.Tensor, ctx: StepContext) -> list[StepOutcome]:
         outcomes = finish_split(seqs, logits, ctx, self._finish_chains, self._finish_tree)
@@ -333,6 +414,7 @@ class NgramMode(Mode):
         return finish_chains([s.state.drafts for s in seqs], logits, ctx, self.tau)
 
     def _finish_tree(self, seq: DecodeSequence, logits: torch.Tensor, ctx: StepContext) -> StepOutcome:
-        """Both candidates as one-hot draft paths (`tree_verify`): lossless like a single chain."""
+        """The candidates (two chains, or a draft tree's paths) as one-hot draft paths
+        (`tree_verify`): lossless like a single chain."""
         plan, seq.state.plan = seq.state.plan, None
         return path_outcome(plan, verify_paths(logits, plan.paths, ctx.seeds[0], tau=self.tau, **ctx.row(0)))

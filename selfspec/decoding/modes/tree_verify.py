@@ -86,6 +86,31 @@ def build_branches(pending: int, branches: list[tuple[list[int], int]], fill_tok
     return StepLayout(tokens, offsets, branch, gate), TreePlan(paths, tails)
 
 
+def build_tree(pending: int, nodes: list[tuple[int, int]]) -> tuple[StepLayout, TreePlan]:
+    """One layout holding a token tree over the pending token, each node laid once: `nodes[i]`
+    = (token, parent), parent the index of an earlier node or -1 for the pending token; node i
+    is step index i + 1 and sees its ancestors only (`StepLayout.parent`). The plan's paths run
+    from the pending token to each leaf; paths sharing a prefix share its rows."""
+    parent = [-1] + [p + 1 for _, p in nodes]
+    depth = [0] * len(parent)
+    children = [0] * len(parent)
+    for i in range(1, len(parent)):
+        if not -1 <= parent[i] - 1 < i - 1:
+            raise ValueError(f"tree node {i - 1}'s parent {parent[i] - 1} does not come before it")
+        depth[i] = depth[parent[i]] + 1
+        children[parent[i]] += 1
+    paths = []
+    for leaf in (i for i in range(1, len(parent)) if not children[i]):
+        chain = []
+        while leaf:
+            chain.append(leaf)
+            leaf = parent[leaf]
+        chain.reverse()
+        paths.append(DraftPath([nodes[i - 1][0] for i in chain], [parent[i] for i in chain], chain[-1]))
+    tokens = [pending] + [t for t, _ in nodes]
+    return StepLayout(tokens, depth, parent=parent), TreePlan(paths or [DraftPath([], [], 0)], [None] * max(1, len(paths)))
+
+
 def finish_split(seqs, logits: torch.Tensor, ctx: StepContext, finish_chains, finish_tree) -> list[StepOutcome]:
     """A mode's step outcomes when some rows carry a tree (`seq.state.plan` set): the chain rows
     verified as one batch, `finish_chains(seqs, logits, ctx)`, the tree rows one at a time,
