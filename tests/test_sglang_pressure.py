@@ -52,6 +52,12 @@ def test_seeded_requests_under_retraction_are_valid_and_distinct(server, heldout
                  list(range(8)), 8)
     assert all(len(o) == 32 for o in outs) and len({tuple(o) for o in outs}) == 8
     assert wait_tokens_zero(server.base_url) == 0
+    # the default policy serves sampled batches by plain AR steps, each prepared by SGLang's
+    # plain decode preparation (no reservation of the verify width), retractions included
+    from sglang_fixtures import internal_state
+
+    state = internal_state(server.base_url)["selfspec"]
+    assert state["ar_steps"] > 0 and state["ar_steps_plain"] == state["ar_steps"], state
 
 
 def test_request_filling_the_context_length(server, ar_reference):

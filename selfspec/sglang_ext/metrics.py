@@ -70,7 +70,10 @@ class AggregateStats:
         self.window_width = 0  # sum of the steps' forward widths (a width plan varies it)
         self.last_step_width = 0
         self.ar_steps = 0  # one-token steps (an AR bucket's, the online check's AR arm)
-        self.ar_steps_as_decode = 0  # those run as SGLang's own decode forward (not on a CPU)
+        self.ar_steps_as_decode = 0  # those run as SGLang's own decode forward (on a CPU: one request)
+        # those whose batch took SGLang's plain decode preparation (one KV slot per request, no
+        # speculative reservation: `SelfSpecWorker.prepare_decode`)
+        self.ar_steps_plain = 0
         # per kind of step ("own": the mode's own, "lookup", "ar"): [steps, request-steps, tokens];
         # what part of the output each kind of step committed
         self.by_kind: dict[str, list[int]] = {}
@@ -114,6 +117,7 @@ class AggregateStats:
         out["last_step_width"] = self.last_step_width
         out["ar_steps"] = self.ar_steps
         out["ar_steps_as_decode"] = self.ar_steps_as_decode
+        out["ar_steps_plain"] = self.ar_steps_plain
         out["steps_by_kind"] = {k: {"steps": v[0], "request_steps": v[1], "tokens": v[2]} for k, v in self.by_kind.items()}
         out["steps_by_width"] = {str(k): v for k, v in sorted(self.by_width.items())}
         out["adapter"] = self.adapter

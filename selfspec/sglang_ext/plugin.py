@@ -41,7 +41,8 @@ def register() -> None:
 
     distributed.install()  # --tp-size > 1 on the CPU engine: gloo instead of PyNccl
 
-    from selfspec.sglang_ext import attention, cli_args, lora, metrics, registration, request_checks, watermark
+    from selfspec.sglang_ext import (attention, cli_args, lora, metrics, registration, request_checks, step_timing,
+                                     watermark)
 
     registration.register_algorithms()  # --speculative-algorithm ISD | RISD | JACOBI | SJD
     registration.install()  # room in each request's KV row for the decode reservation
@@ -51,3 +52,4 @@ def register() -> None:
     metrics.install()  # per-request TPF / accepted length in meta_info
     watermark.install()  # --enable-watermark with the selfspec algorithms, and on the CPU engine
     request_checks.install()  # 400 for what a mode cannot honour (sampling with JACOBI, penalties, ...)
+    step_timing.install()  # SELFSPEC_DEBUG_TIMING=1: the scheduler's phases per decode step, any server

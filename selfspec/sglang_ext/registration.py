@@ -119,11 +119,25 @@ def _row_headroom_after(result: int, *args, **kwargs) -> int:
     return max(result, 4 + get_alloc_reserve_per_decode())
 
 
+def _around_spec_prepare(original, batch, *args, **kwargs):
+    """SGLang's speculative `prepare_for_decode` (`spec_utils.spec_prepare_for_decode`, which
+    reserves the verify width of KV per request): the selfspec worker chooses the step first,
+    and a plain AR step takes the plain prepare instead (`SelfSpecWorker.prepare_decode`)."""
+    from selfspec.sglang_ext.worker import SelfSpecWorker
+
+    worker = SelfSpecWorker.active
+    if worker is not None and worker.prepare_decode(batch):
+        return None
+    return original(batch, *args, **kwargs)
+
+
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len",
                           _row_headroom_after, HookType.AFTER)
+    HookRegistry.register("sglang.srt.speculative.spec_utils.spec_prepare_for_decode", _around_spec_prepare,
+                          HookType.AROUND)
 
 
 _registered = False

@@ -18,6 +18,15 @@ keep; this file only maps that onto SGLang:
   step or freed with the request. The CPU forward is ragged (unless `SELFSPEC_RAGGED_VERIFY=0`):
   only each request's real tokens go through the model (`RaggedVerify`); the padding to W
   exists in the attention's query block alone.
+- plain AR steps (one token per request at forward width 1: sampled batches under the default
+  policy, a plan's AR bucket, the run-time check's AR arm, `--selfspec-policy ar`): the worker
+  chooses each decode step before SGLang prepares the batch for it (`prepare_decode`, called
+  from SGLang's speculative `prepare_for_decode` by `registration._around_spec_prepare`), and
+  such a step takes SGLang's plain decode preparation instead of the speculative one
+  (`plain_prepare_for_decode`: one new KV slot per request, no reservation of the verify width;
+  counted as `ar_steps_plain` in `/server_info`). Its token is drawn by the AR rule with the
+  request's seed stream, as every step's is, so a seeded request gives the same tokens alone
+  and in any batch.
 
 Per-request state (history, mode state, seed counter, metrics) lives here, keyed by request id,
 so continuous batching needs nothing from SGLang but the batch's request list: requests join,
@@ -160,6 +169,7 @@ def pad_layout(layout: StepLayout, width: int, pad_token: int) -> StepLayout:
         offsets=offsets + list(range(nxt, nxt + extra)),
         branch=branch + [-1] * extra,
         gate=gate,
+        parent=list(layout.parent) + [0] * extra if layout.parent is not None else None,  # padding sees the root
     )
 
 
@@ -187,7 +197,64 @@ class _StepPlan:
     out_cache_loc: torch.Tensor  # [bs * W]
 
 
+@dataclass
+class _Chosen:
+    """A decode step chosen before SGLang prepared the batch for it (`prepare_decode`): the
+    requests it is for, their states, the mode's layouts, whether the batch took the plain
+    prepare and when the step started."""
+
+    rids: tuple
+    states: list
+    layouts: list[StepLayout]
+    plain: bool
+    start: float
+    planning: float = 0.0  # seconds the choice took
+
+
+def plain_prepare_for_decode(batch: ScheduleBatch) -> bool:
+    """SGLang's non-speculative decode preparation for a step of one token per request, on the
+    speculative scheduler path: one new KV slot at `seq_len` for each request that has none
+    there (what `alloc_for_decode` allocates; a request coming from a speculative step still
+    holds its reserved window and reuses its first slot), no reservation of the verify width,
+    the penalty counts cumulated as SGLang's speculative prepare does. The sequence lengths stay
+    the committed ones, as the speculative path keeps them. Returns False, having changed
+    nothing, where the batch is not one this applies to (paged KV, a row shorter than its length)."""
+    if batch.token_to_kv_pool_allocator.page_size != 1:
+        return False
+    reqs = batch.reqs
+    lens = (batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()).tolist()
+    need = []
+    for i, (req, n) in enumerate(zip(reqs, lens)):
+        have = req.kv.kv_allocated_len
+        if have < n:
+            return False
+        if have == n:
+            need.append(i)
+    batch.maybe_evict_swa()
+    if batch.sampling_info.penalizer_orchestrator.is_required:
+        batch.cumulate_penalty_output_tokens()
+    if need:
+        from sglang.srt.mem_cache.allocation import alloc_token_slots
+
+        locs = alloc_token_slots(batch.tree_cache, len(need))
+        if len(need) == len(reqs):
+            rows, pos = batch.req_pool_indices, batch.seq_lens
+        else:
+            idx = torch.tensor(need, dtype=torch.int64, device=batch.seq_lens.device)
+            rows, pos = batch.req_pool_indices[idx], batch.seq_lens[idx]
+        batch.req_to_token_pool.write((rows, pos), locs.to(torch.int32))
+        for i in need:
+            reqs[i].kv.kv_allocated_len = lens[i] + 1
+    for req in reqs:
+        req.decode_batch_idx += 1
+    return True
+
+
 class SelfSpecWorker(BaseSpecWorker):
+    #: the worker of this scheduler process (one per process), for the prepare hook
+    #: (`registration._around_spec_prepare`)
+    active: "SelfSpecWorker | None" = None
+
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         super().__init__()
         self.server_args = server_args
@@ -199,10 +266,14 @@ class SelfSpecWorker(BaseSpecWorker):
         # ragged verify forwards need the verify attention of `sglang_ext.attention` (CPU)
         self._ragged_verify = torch.device(self.device).type == "cpu" and ragged_verify_enabled()
         self._padded_logits = PadBuffer()
-        # one-token steps as SGLang's decode forward: on a CPU the verify path runs them faster
-        # (`sglang_ext.attention`: one batched SDPA against torch_native's decode loop over
-        # requests: `selfspec bench serve --breakdown`, the "ar-steps" row against stock AR at
-        # C >= 4); elsewhere the decode path (and its graphs)
+        # the forward of one-token steps: SGLang's decode forward, or the (ragged) verify
+        # forward. On a CPU the decode forward for a plain AR step of one request (torch_native's
+        # decode loop over requests is then one SDPA call, with no mask or gather to build: read
+        # 0.97-1.04x stock AR against 0.87-0.94x for the verify forward, greedy, C=1, in
+        # `selfspec bench serve --modes ar,worker-ar=isd --mode-args "worker-ar=--selfspec-policy
+        # ar"`), the verify forward for wider batches (one batched SDPA, `sglang_ext.attention`,
+        # against that loop: the worker-ar row of the same command at C >= 4). Elsewhere the
+        # decode forward (and its graphs)
         self._ar_as_decode = torch.device(self.device).type != "cpu"
         self.mode = cfgmod.build_mode(self.cfg, padded=not self._ragged_verify)
         if getattr(self.mode, "check", None) is not None and not timing_check_allowed(server_args):
@@ -220,6 +291,7 @@ class SelfSpecWorker(BaseSpecWorker):
         self.gate = None  # the gated LoRA's gate (modes that need an adapter)
         # the last decode step's start and outcomes: its period ends where the next step starts
         self._last_step: tuple[float, list] | None = None
+        self._chosen: _Chosen | None = None  # the next decode step, chosen before its prepare
         self._last_end: float | None = None  # when the last decode step returned (debug timing)
         if self.cfg.spec.needs_adapter:
             handle = loramod.attach_to_sglang_model(self.model_runner.model, self.cfg.adapter)
@@ -229,6 +301,7 @@ class SelfSpecWorker(BaseSpecWorker):
                                   "embeddings": len(handle.embeddings)}
             if torch.device(self.device).type == "cuda":
                 self.gate.buffer = torch.zeros(self._max_graph_tokens(), dtype=torch.bool, device=self.device)
+        SelfSpecWorker.active = self
         logger.info("[selfspec] worker ready: %s", self.cfg.describe())
 
     # ------------------------------------------------------------------ SGLang plumbing
@@ -332,18 +405,42 @@ class SelfSpecWorker(BaseSpecWorker):
             self.states[req.rid] = st
         return st
 
-    def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
-        """One decode step: the mode plans each request's layout, one forward runs them all,
-        the logits rules and the mode decide what each request emits, the kept KV moves into
-        place and the scheduler gets the emitted runs."""
+    def prepare_decode(self, batch: ScheduleBatch) -> bool:
+        """Choose the next decode step before SGLang prepares the batch for it (SGLang's
+        speculative `prepare_for_decode` calls this first: `registration._around_spec_prepare`).
+        A plain AR step (one query token per request, forward width 1, no gate: a sampled batch,
+        the plan's AR bucket, the online check's AR arm) takes the plain prepare
+        (`plain_prepare_for_decode`) instead of the speculative one: no reservation of the verify
+        width, no speculative bookkeeping. Returns whether it did; False leaves the batch to
+        SGLang's speculative prepare. The step runs as chosen here (`_decode`)."""
         t0 = time.perf_counter()
         states = [self._state_for(r) for r in batch.reqs]
-        seqs = [st.seq for st in states]
         self._report_period(t0)
+        layouts = self.mode.layouts([st.seq for st in states])
+        planning = time.perf_counter() - t0  # the step's plan time; the prepare is SGLang's part
+        plain = (self._forward_width() == 1 and all(lay.gate is None for lay in layouts)
+                 and plain_prepare_for_decode(batch))
+        self._chosen = _Chosen(tuple(r.rid for r in batch.reqs), states, layouts, plain, t0, planning)
+        return plain
+
+    def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        """One decode step: the mode plans each request's layout (before SGLang's prepare, where
+        `prepare_decode` ran), one forward runs them all, the logits rules and the mode decide
+        what each request emits, the kept KV moves into place and the scheduler gets the emitted
+        runs."""
+        t_run = time.perf_counter()
+        chosen, self._chosen = self._chosen, None
+        if chosen is None or chosen.rids != tuple(r.rid for r in batch.reqs):
+            if chosen is not None and chosen.plain:
+                raise RuntimeError("[selfspec] a batch prepared for a plain AR step changed before its forward")
+            states = [self._state_for(r) for r in batch.reqs]
+            self._report_period(t_run)
+            chosen = _Chosen((), states, self.mode.layouts([st.seq for st in states]), False, t_run)
+        states, seqs = chosen.states, [st.seq for st in chosen.states]
         seq_lens = batch.seq_lens  # as the step starts (the forward may rebind the batch's)
-        plan = self._plan_step(batch, seqs)
+        plan = self._plan_step(batch, chosen.layouts)
         t1 = time.perf_counter()
-        result = self._forward_step(batch, plan)
+        result = self._forward_step(batch, plan, chosen.plain)
         logits = apply_logits_rules(result.logits_output.next_token_logits.view(len(seqs), plan.width, -1), seqs,
                                     plan.step)
         logits = _custom_processors(batch, logits.reshape(-1, logits.shape[-1]), plan.width).view(logits.shape)
@@ -358,19 +455,22 @@ class SelfSpecWorker(BaseSpecWorker):
         if on_publish is not None:
             on_publish(new_seq_lens)
         t3 = time.perf_counter()
-        self._record_step(plan, outcomes, (t0, t1, t2, t3))
+        self._record_step(plan, outcomes, chosen, (t_run, t1, t2, t3))
         out = _batch_result(result, next_token_ids, next_token_ids, accept_lens, new_seq_lens, self.width)
         self._last_end = time.perf_counter()
         return out
 
-    def _plan_step(self, batch: ScheduleBatch, seqs: list[DecodeSequence]) -> _StepPlan:
+    def _forward_width(self) -> int:
+        """The forward width W of the step the mode just planned: SGLang reserves self.width KV
+        slots per request for a speculative step; a planned mode runs narrower steps in the
+        first W of them. CUDA graphs were captured at one width, so GPU steps keep it (padding)."""
+        return self.width if self._fixed_forward_width else min(self.width, self.mode.step_width)
+
+    def _plan_step(self, batch: ScheduleBatch, layouts: list[StepLayout]) -> _StepPlan:
         """The mode's layouts, padded to the step's forward width W and collated; the batch's
-        input ids and the KV slots `[seq_len, seq_len + W)` SGLang reserved for each request."""
-        layouts = self.mode.layouts(seqs)
-        # The forward's width: SGLang reserved self.width KV slots per request; a planned mode
-        # runs narrower steps in the first W of them. CUDA graphs were captured at one width, so
-        # GPU steps keep it (padding).
-        W = self.width if self._fixed_forward_width else min(self.width, self.mode.step_width)
+        input ids and the KV slots `[seq_len, seq_len + W)` of each request (SGLang's
+        reservation, or the plain prepare's one slot)."""
+        W = self._forward_width()
         step = collate([pad_layout(lay, W, self.pad_token) for lay in layouts], self.pad_token, device=self.device)
         seq_lens = batch.seq_lens
         window = seq_lens.to(torch.int64).unsqueeze(1) + torch.arange(W, device=self.device)
@@ -380,16 +480,18 @@ class SelfSpecWorker(BaseSpecWorker):
         batch.out_cache_loc = out_cache_loc
         return _StepPlan(step, W, [len(lay) for lay in layouts], out_cache_loc)
 
-    def _forward_step(self, batch: ScheduleBatch, plan: _StepPlan):
+    def _forward_step(self, batch: ScheduleBatch, plan: _StepPlan, plain: bool = False):
         """The step's forward: a one-token step as SGLang's decode forward where that is the
         faster path, otherwise one TARGET_VERIFY forward (ragged on a CPU: only the real
-        tokens), the gated LoRA switched per token; logits come back [bs * W, V]."""
+        tokens), the gated LoRA switched per token; logits come back [bs * W, V]. `plain`: the
+        batch took the plain prepare (`prepare_decode`)."""
         seq_lens = batch.seq_lens
         seq_lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else seq_lens.cpu()
         step, W, dev = plan.step, plan.width, self.device
         if W == 1:
             self.stats.ar_steps += 1
-        if W == 1 and step.gate is None and self._ar_as_decode:
+            self.stats.ar_steps_plain += plain
+        if W == 1 and step.gate is None and (self._ar_as_decode or (plain and len(batch.reqs) == 1)):
             self.stats.ar_steps_as_decode += 1
             return self._plain_decode_forward(batch, seq_lens, seq_lens_cpu)
         positions = (seq_lens.to(torch.int64).unsqueeze(1) + step.offsets).flatten()
@@ -439,16 +541,20 @@ class SelfSpecWorker(BaseSpecWorker):
         return (torch.tensor(accept_lens, dtype=torch.int32, device=dev),
                 torch.tensor(emitted_rows, dtype=torch.int64).to(dev).flatten())
 
-    def _record_step(self, plan: _StepPlan, outcomes: list, times: tuple[float, float, float, float]) -> None:
-        """The step's statistics, its period for the run-time check, the finished requests."""
-        t0, t1, t2, t3 = times
+    def _record_step(self, plan: _StepPlan, outcomes: list, chosen: _Chosen,
+                     times: tuple[float, float, float, float]) -> None:
+        """The step's statistics, its period for the run-time check, the finished requests.
+        The step's plan time counts its choice before SGLang's prepare (`prepare_decode`) and
+        its collation inside the forward call."""
+        t_run, t1, t2, t3 = times
         bs, emitted = len(outcomes), sum(len(o.emit) for o in outcomes)
-        if _DEBUG_TIMING:  # between: the scheduler's time since the last step returned
-            between = (t0 - self._last_end) * 1e3 if self._last_end else float("nan")
-            logger.info(STEP_TIMING_LOG, bs, plan.width, sum(plan.real_widths), emitted, (t1 - t0) * 1e3,
+        plan_s = chosen.planning + (t1 - t_run)
+        if _DEBUG_TIMING:  # between: the scheduler's time since the last step returned, less the plan's
+            between = ((t_run - self._last_end - chosen.planning) * 1e3 if self._last_end else float("nan"))
+            logger.info(STEP_TIMING_LOG, bs, plan.width, sum(plan.real_widths), emitted, plan_s * 1e3,
                         (t2 - t1) * 1e3, (t3 - t2) * 1e3, between)
-        self.stats.step(bs, emitted, sum(plan.real_widths), t3 - t0, plan.width, step_kind(self.mode))
-        self._last_step = (t0, outcomes)
+        self.stats.step(bs, emitted, sum(plan.real_widths), plan_s + (t3 - t1), plan.width, step_kind(self.mode))
+        self._last_step = (chosen.start, outcomes)
         self.collect_finished()
 
     # ------------------------------------------------------------------ helpers
@@ -461,10 +567,11 @@ class SelfSpecWorker(BaseSpecWorker):
         self._last_step = None
 
     def _plain_decode_forward(self, batch: ScheduleBatch, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor):
-        """A step of one token per request (a width plan's AR bucket) as SGLang's own decode
-        forward (not on a CPU: `_ar_as_decode`). Decode reads each request's length including
-        the token being written, which the reserved slot at seq_len already holds room for; the
-        logits are returned unsampled (is_verify) and decided by the mode like any other step's."""
+        """A step of one token per request as SGLang's own decode forward (`_ar_as_decode`; on a
+        CPU a plain AR step of one request). Decode reads each request's length including the
+        token being written, which the slot at seq_len (reserved, or the plain prepare's) holds;
+        the logits are returned unsampled (is_verify) and decided by the mode like any other
+        step's."""
         saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info)
         batch.forward_mode = ForwardMode.DECODE
         batch.seq_lens = seq_lens + 1
