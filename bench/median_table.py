@@ -11,7 +11,7 @@ same time; the median of three keeps one disturbed run from deciding a cell.
 
 A file is one report or a runs file, `{"schema": "selfspec.bench.serve.runs/v1", "runs": [report,
 ...]}`, the repeats of one set kept together (what `--save-runs` writes from the reports read, and
-what bench/results/defaults/ holds).
+what bench/results/defaults/ holds). Reports of different prompt sets get a table each.
 """
 
 from __future__ import annotations
@@ -120,9 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     reports = [rep for path in args.reports for rep in load_reports(path)]
     if len({tuple(r["concurrency"]) for r in reports}) != 1:
         p.error("the reports' concurrency levels differ")
-    print(table(reports, args.markdown))
+    # a median across prompt sets means nothing: one table per set, in the order first read
+    sets: dict[str, list[dict]] = {}
+    for rep in reports:
+        sets.setdefault(str(rep.get("prompts_file")), []).append(rep)
+    print("\n\n".join(table(reps, args.markdown) for reps in sets.values()))
     if args.json:
-        Path(args.json).write_text(json.dumps(cells(reports), indent=1) + "\n")
+        out = cells(reports) if len(sets) == 1 else {name: cells(reps) for name, reps in sets.items()}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     if args.save_runs:
         Path(args.save_runs).write_text(json.dumps({"schema": RUNS_SCHEMA, "runs": reports}, indent=2) + "\n")
     return 0

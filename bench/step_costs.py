@@ -1,8 +1,8 @@
 """Served step costs: what one decode step costs at batch C, per kind of step, beside stock AR.
 
 Serves stock AR and, on the selfspec worker, its plain AR steps, ISD's own steps at stride 2 and
-4 (`--selfspec-policy own`: no context candidate), the 12-token lookup step and SJD's own step,
-one server at a time (`selfspec bench serve`), with the worker's per-step timing switched on
+4 (`--selfspec-policy own`: no context candidate), the 12-token lookup step, the 11-token tree
+lookup step and SJD's own step, one server at a time (`selfspec bench serve`), with the worker's per-step timing switched on
 (`SELFSPEC_DEBUG_TIMING=1`: plan / forward / finish / scheduler time between steps, and the
 tokens each step emitted). Per level C it keeps the steps that ran at batch C and reports their
 medians. Every server, stock AR included (it has no worker), is also timed by its effective
@@ -34,6 +34,7 @@ KINDS = {
     "isd-s2": ("isd", "--selfspec-policy own --selfspec-stride 2"),
     "isd-s4": ("isd", "--selfspec-policy own --selfspec-stride 4"),
     "lookup12": ("isd", f"{FW}/lookup12x1a-sampled.yaml"),
+    "lookup-tree11": ("isd", f"{FW}/lookup-tree11-sampled.yaml"),
     "sjd-own": ("sjd", "--selfspec-policy own"),
 }
 STEP_LINE = re.compile(r"\[selfspec\] step bs=(\d+) width (\d+) tokens (\d+) emitted (\d+) plan ([\d.]+) ms "

@@ -93,13 +93,14 @@ def internal_state(base_url: str) -> dict:
 def check_default_speculates(base_url: str) -> dict:
     """After a server of a mode at its default policy has answered greedy requests one at a time
     and in a burst: its greedy steps speculated (the policy's own steps or lookup steps, not
-    silently plain AR steps), lookup steps served the burst, and more than one token came per
-    forward. Read from /server_info (the worker's own counts), not from the log."""
+    silently plain AR steps), lookup steps served the burst (draft trees among them), and more than
+    one token came per forward. Read from /server_info (the worker's own counts), not from the log."""
     state = internal_state(base_url)["selfspec"]
     assert state["policy"] == "auto" and state["plan"] is not None, state
     kinds = {k: v["tokens"] for k, v in state["steps_by_kind"].items()}
     speculated = kinds.get("own", 0) + kinds.get("lookup", 0)
     assert speculated > 0.5 * sum(kinds.values()) and kinds.get("lookup", 0) > 0, kinds
+    assert state["tree_request_steps"] > 0, state  # the burst's lookup steps drafted trees
     assert state["tokens_per_forward"] > 1.2, state
     return kinds
 

@@ -488,3 +488,15 @@ def test_the_tree_index_drafts_every_place_a_suffix_occurred():
     assert single == [(3, -1), (1, 0), (2, 1), (3, 2)]
     with pytest.raises(ValueError):
         ngram.NgramConfig(tree=4, branches=2)
+
+
+def test_a_constrained_row_of_a_tree_lookup_drafts_a_chain_within_the_trees_width(monkeypatch):
+    """A grammar checks chains, so its rows draft one; the forward width reserved for the tree
+    (`max_width`) still holds it however long the chain's own limit (num_draft)."""
+    mode = ngram.NgramMode(ngram.NgramConfig(num_draft=12, match_sizes=(1,), tree=4))
+    seq = DecodeSequence([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1])
+    seq.constraint = object()  # any constraint: the grammar's check lets every draft through
+    monkeypatch.setattr(ngram, "grammar_valid", lambda s, drafts: drafts)
+    mode.start(seq)
+    (lay,) = mode.layouts([seq])
+    assert lay.parent is None and len(lay) == mode.max_width == 5

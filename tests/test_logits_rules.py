@@ -176,7 +176,8 @@ def test_grammar_constrained_modes_equal_ar(base_engine, grammar):
     for o in ar:  # what AR emitted under the grammar is accepted by a fresh copy of it
         g = fresh()[0]
         assert g.commit(o.token_ids) == len(o.token_ids)
-    for mode, config in [("ngram", None), ("jacobi", None), ("sjd", {"context_tokens": 4}),
+    for mode, config in [("ngram", None), ("ngram", {"num_draft": 12, "tree": 4}), ("jacobi", None),
+                         ("sjd", {"context_tokens": 4}),
                          ("isd", {"stride": 3, "context_tokens": 4})]:
         got = eng.generate(prompts, 20, mode=mode, mode_config=config, grammars=fresh())
         assert [o.token_ids for o in got] == [o.token_ids for o in ar], mode

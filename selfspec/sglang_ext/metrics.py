@@ -74,6 +74,8 @@ class AggregateStats:
         # those whose batch took SGLang's plain decode preparation (one KV slot per request, no
         # speculative reservation: `SelfSpecWorker.prepare_decode`)
         self.ar_steps_plain = 0
+        # request-steps that verified a draft tree (a lookup bucket's `tree`: `StepLayout.parent`)
+        self.tree_request_steps = 0
         # per kind of step ("own": the mode's own, "lookup", "ar"): [steps, request-steps, tokens];
         # what part of the output each kind of step committed
         self.by_kind: dict[str, list[int]] = {}
@@ -118,6 +120,7 @@ class AggregateStats:
         out["ar_steps"] = self.ar_steps
         out["ar_steps_as_decode"] = self.ar_steps_as_decode
         out["ar_steps_plain"] = self.ar_steps_plain
+        out["tree_request_steps"] = self.tree_request_steps
         out["steps_by_kind"] = {k: {"steps": v[0], "request_steps": v[1], "tokens": v[2]} for k, v in self.by_kind.items()}
         out["steps_by_width"] = {str(k): v for k, v in sorted(self.by_width.items())}
         out["adapter"] = self.adapter

@@ -478,6 +478,7 @@ class SelfSpecWorker(BaseSpecWorker):
             batch.req_pool_indices.to(torch.int64).unsqueeze(1), window].to(torch.int64).flatten()
         batch.input_ids = step.tokens.flatten()
         batch.out_cache_loc = out_cache_loc
+        self.stats.tree_request_steps += sum(lay.parent is not None for lay in layouts)
         return _StepPlan(step, W, [len(lay) for lay in layouts], out_cache_loc)
 
     def _forward_step(self, batch: ScheduleBatch, plan: _StepPlan, plain: bool = False):

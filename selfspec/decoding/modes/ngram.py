@@ -379,9 +379,11 @@ class NgramMode(Mode):
         for s in seqs:
             st = s.state
             k = st.recent.limit() if st.recent is not None else self.config.num_draft
-            if self.config.tree and s.constraint is None:  # a grammar checks chains: its rows draft one
-                out.append(self._tree_layout(s, k))
-                continue
+            if self.config.tree:
+                if s.constraint is None:
+                    out.append(self._tree_layout(s, k))
+                    continue
+                k = min(k, self.config.tree)  # a grammar checks chains: its rows draft one, in the tree's width
             st.drafts = grammar_valid(s, st.index.propose(s.history, k, shared=s.sampling.greedy))
             second = (grammar_valid(s, st.index.alternative(s.history, k, st.drafts, shared=s.sampling.greedy))
                       if self.config.branches > 1 and st.drafts else [])
