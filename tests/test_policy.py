@@ -35,13 +35,13 @@ def _served_by(plan: WidthPlan, batch_size: int, sampled: bool = False):
 
 
 @pytest.mark.parametrize("policy", [PolicyConfig(), SMALL, PolicyConfig(own_max_batch=0),
-                                    PolicyConfig(own_max_batch=3, lookup_max_batch=3)], ids=["default", "small",
-                                                                                             "no-own", "no-long"])
+                                    PolicyConfig(own_max_batch=3, lookup_max_batch=3), PolicyConfig(lookup_tree=0)],
+                         ids=["default", "small", "no-own", "no-long", "chain"])
 @pytest.mark.parametrize("mode", SERVED)
 def test_the_policy_speculates_at_every_batch_size(mode, policy):
     """At each boundary the policy's fields draw: greedy batches of up to `own_max_batch` run the
-    mode's own step with the candidate, then up to `lookup_max_batch` the long lookup (adaptive,
-    cut to its match, from the corpus), beyond it the narrow lookup; sampled batches plain AR steps
+    mode's own step with the candidate, then up to `lookup_max_batch` the long lookup (a draft
+    tree, or a chain adaptive and cut to its match; from the corpus), beyond it the narrow lookup; sampled batches plain AR steps
     at every size; the run-time check on. A bound of 0 (or equal bounds) leaves its step out."""
     plan = WidthPlan.from_dict(_plan(mode, policy), mode)
     assert plan.online is not None
@@ -53,8 +53,11 @@ def test_the_policy_speculates_at_every_batch_size(mode, policy):
             assert step.options["context_length_factor"] == policy.context_length_factor
         elif b <= long_top:
             assert (step.mode, step.options["num_draft"]) == ("ngram", policy.lookup_tokens), (b, step)
-            assert step.options["adaptive"] and step.options["corpus"]
-            assert step.options["length_factor"] == policy.lookup_length_factor
+            assert step.options["corpus"]
+            if policy.lookup_tree:  # a draft tree in the budget
+                assert step.options["tree"] == policy.lookup_tree and "adaptive" not in step.options
+            else:  # a chain cut by its match and its recent acceptance
+                assert step.options["adaptive"] and step.options["length_factor"] == policy.lookup_length_factor
         else:
             assert (step.mode, step.options["num_draft"]) == ("ngram", policy.wide_tokens), (b, step)
         assert _served_by(plan, b, sampled=True).mode == "ar", b

@@ -7,8 +7,8 @@ the wider the batch the sooner it turns linear. So, per step, from the batch it 
   drafted as long as twice its match (a match followed back through a loop drafts long, a
   fresh one short: SuffixDecoding's rule): there a query token costs little, and the candidate
   rides along as a second branch;
-- middle greedy batches run the lookup step (`ngram.NgramMode`: the candidate alone), long
-  drafts cut to the length of their match and to what the request's recent drafts had accepted;
+- middle greedy batches run the lookup step (`ngram.NgramMode`: the candidate alone), a draft
+  tree of 11 tokens over every place the text's suffix occurred (`ngram.SuffixIndex.tree`);
 - wide greedy batches run the narrow lookup step: a drafted token must be likely to pay its cost;
 - sampled batches run plain AR steps, at every batch size: on the tune prompts at temperature
   0.7 no speculative step beat them (ISD's own stride-2 step with a 4-token candidate read
@@ -67,6 +67,15 @@ class PolicyConfig:
     # (bench/results/policy/tune-greedy-branches.json)
     lookup_tokens: int = 12
     lookup_length_factor: float = 1.0  # ... at most this many times as long as its match
+    # > 0: the long lookup drafts a token tree of this many tokens, at most `lookup_tokens` deep,
+    # over every place the suffix occurred (`ngram.SuffixIndex.tree`), instead of the chain cut
+    # by its match and its recent acceptance: SGLang NGRAM's draft budget (12 query tokens with
+    # the root). Served at C = 4 / 16 (one interleaved run per set), ISD's default against NGRAM:
+    # eval 1.06 / 1.04x, HumanEval 0.95 / 1.01x, external 1.10 / 1.05x with the tree; 0.95 / 1.05,
+    # 0.93 / 0.84, 0.98 / 0.83x with the chain, which committed 13-23% fewer tokens per step
+    # (bench/results/policy/tree-vs-chain.json; tuned on the replay of the tune prompts,
+    # `bench/context_lookup.py`)
+    lookup_tree: int = 11
     wide_tokens: int = 4  # the narrow lookup's draft
 
     def __post_init__(self) -> None:
@@ -105,13 +114,16 @@ class PolicyConfig:
         return asdict(self)
 
 
-def _lookup(tokens: int, max_batch: int | None, length_factor: float = 0.0, adaptive: bool = False
-            ) -> dict[str, Any]:
+def _lookup(tokens: int, max_batch: int | None, length_factor: float = 0.0, adaptive: bool = False,
+            tree: int = 0) -> dict[str, Any]:
     # drafts cut to their match (`ngram.SuffixIndex`) and to the request's recent acceptance
     # (`draft_length.RecentAcceptance`) leave out what a query token is unlikely to pay for; the
-    # narrow lookup's 4 tokens need neither
+    # narrow lookup's 4 tokens need neither; a tree spends its budget on the likeliest branches
     opts: dict[str, Any] = {"max_batch": max_batch, "mode": "ngram", "num_draft": tokens,
                             "match_sizes": list(CONTEXT_MATCH_SIZES), "corpus": True}
+    if tree:
+        opts["tree"] = tree
+        return opts
     if length_factor:
         opts["length_factor"] = length_factor
     if adaptive:
@@ -138,6 +150,7 @@ def policy_plan(mode: str, own_options: dict[str, Any], policy: PolicyConfig) ->
                            "context_tokens": policy.context_tokens,
                            "context_length_factor": policy.context_length_factor})
     if policy.lookup_max_batch > policy.own_max_batch:
-        greedy.append(_lookup(policy.lookup_tokens, policy.lookup_max_batch, policy.lookup_length_factor, adaptive=True))
+        greedy.append(_lookup(policy.lookup_tokens, policy.lookup_max_batch, policy.lookup_length_factor, adaptive=True,
+                              tree=policy.lookup_tree))
     greedy.append(_lookup(policy.wide_tokens, None))
     return {"greedy": greedy, "sampled": [{"max_batch": None, "mode": "ar"}]}
