@@ -58,7 +58,13 @@ results: setup
 	  --mode-args "lk12s=$(FW)/lookup12x1a-sampled.yaml" --mode-args "lk4s=$(FW)/lookup4-sampled.yaml" \
 	  --json $(R)/policy/tune-t07-lookup.json
 # policy/: selfspec's context candidates vs SGLang's NGRAM drafter, replayed without forwards (about a minute)
-	$(PY) bench/context_lookup.py --prompts tune,eval,humaneval --tokens 12 --json $(R)/policy/lookup-vs-ngram-drafter.json
+	$(PY) bench/context_lookup.py --prompts tune,eval,humaneval,external --tokens 12 --json $(R)/policy/lookup-vs-ngram-drafter.json
+# policy/tree-vs-chain.json: every mode's default (the long lookup a draft tree) beside the chain it replaced,
+# stock AR and NGRAM, greedy, one interleaved run per prompt set (about 12 min each), the sets in one file
+	for p in eval humaneval external; do $(SELFSPEC) bench serve --model tiny-idlm --prompts $$p --concurrency 1,4,16,32 \
+	  --num-prompts 32 --max-tokens 128 --interleave 2 --modes ar,ngram,isd,jacobi,sjd,isd-chain=isd \
+	  --mode-args "isd-chain=$(FW)/policy-chain-isd.yaml" --genai-bench off --json runs/tree-vs-chain-$$p.json; done
+	$(PY) bench/median_table.py runs/tree-vs-chain-{eval,humaneval,external}.json --save-runs $(R)/policy/tree-vs-chain.json
 # defaults/: every mode at its defaults vs stock AR and NGRAM, 3 runs per set (about 4 h)
 	bash bench/defaults_vs_ngram.sh $(R)/defaults 3
 # defaults/t07-c1-humaneval.json: T=0.7 at C=1, the default beside stock AR and the worker's AR
@@ -67,6 +73,11 @@ results: setup
 	  --concurrency 1 --num-prompts 32 --max-tokens 128 --interleave 2 --modes ar,isd,sjd,worker-ar=isd \
 	  --mode-args "worker-ar=--selfspec-policy ar" --genai-bench off --json runs/t07-c1-$$i.json; done
 	$(PY) bench/median_table.py runs/t07-c1-[123].json --save-runs $(R)/defaults/t07-c1-humaneval.json > /dev/null
+# ar-step-breakdown.json: a plain AR step phase by phase, stock SGLang beside the worker's, T=0.7, C=1 (about 8 min)
+	$(PY) bench/ar_step_breakdown.py --py-spy --json $(R)/ar-step-breakdown.json
+# growth.json / growth.png: ms per step of each kind as the prompt grows 256 -> 2,048 tokens, C = 1 / 16 / 64 (about 20 min)
+	$(PY) bench/growth.py --prompt-tokens 256,1024,2048 --output-tokens 128 --concurrency 1,16,64 \
+	  --modes ar,ngram,worker-ar,isd-s2,lookup-tree11,sjd-own --json $(R)/growth.json --plot $(R)/growth.png
 # step-costs.json: served step costs per kind of step at C = 1, 4, 16, 32, T=0.7 (about 12 min)
 	$(PY) bench/step_costs.py --json $(R)/step-costs.json
 # serve-tiny-jf.json: tiny-jf served by stock SGLang, AR / NGRAM / JACOBI (about 10 min)
