@@ -7,7 +7,9 @@ default) in the sequence's own history (prompt + output) and propose the k token
 tokens back); with `corpus`, greedy rows also look in the other sequences served (`corpus.py`).
 One step is a causal forward over [pending, d_1 … d_j] (j <= k; j = 0 is a plain AR step); the
 drafts are verified with the shared rules (greedy prefix, or p/q with one-hot q when sampling,
-which keeps AR's distribution) and the corrected / bonus token is emitted.
+which keeps AR's distribution) and the corrected / bonus token is emitted. With `tree: N` the
+draft is instead a token tree of N tokens over every kept place the suffix occurred
+(`SuffixIndex.tree`, `draft_tree.py`), verified by the tree rule of `tree_verify.py`.
 
 The same step is the narrowest speculative width of every mode: a width plan bucket
 `{mode: ngram, ...}` runs it in an ISD, RISD, SJD or JACOBI plan where a batch is too wide for
