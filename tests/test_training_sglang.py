@@ -80,7 +80,7 @@ def test_embedded_jacobi_forcing_model_serves_jacobi_with_no_flags(tmp_path_fact
     """tiny-jf named as the model, `--speculative-algorithm JACOBI` and nothing else: the block size
     and multi-block settings come from its selfspec.json, the output is its own greedy AR output
     (the HF engine's) token for token, sequentially and in a concurrent burst, on the default
-    server path (radix cache, chunked prefill), and it commits several tokens per forward."""
+    server path (radix cache, chunked prefill), and its own steps commit several tokens per forward."""
     from sglang_fixtures import DEFAULT_PATH, burst
 
     from selfspec.models import resolve_model
@@ -97,9 +97,11 @@ def test_embedded_jacobi_forcing_model_serves_jacobi_with_no_flags(tmp_path_fact
             assert out["meta_info"]["selfspec_mode"] == "JACOBI"
         assert [o["output_ids"] for o in seq] == ref
         assert [o["output_ids"] for o in par] == ref
-        forwards = sum(o["meta_info"]["selfspec_forwards"] for o in seq)
-        assert len(ids) * MAX_NEW / forwards > 1.3
         check_own_steps(proc.base_url, "JACOBI")
+        # JACOBI's own steps commit several tokens per forward: read per kind of step, as the
+        # run-time check may serve a batch of one with the lookup or AR arm by this machine's clock
+        own = internal_state(proc.base_url)["selfspec"]["steps_by_kind"]["own"]
+        assert own["tokens"] / own["request_steps"] > 1.3, own
     finally:
         proc.stop()
 
