@@ -65,6 +65,10 @@ results: setup
 	  --num-prompts 32 --max-tokens 128 --interleave 2 --modes ar,ngram,isd,jacobi,sjd,isd-chain=isd \
 	  --mode-args "isd-chain=$(FW)/policy-chain-isd.yaml" --genai-bench off --json runs/tree-vs-chain-$$p.json; done
 	$(PY) bench/median_table.py runs/tree-vs-chain-{eval,humaneval,external}.json --save-runs $(R)/policy/tree-vs-chain.json
+# policy/tree-wide-c32.json: the draft tree past 18 requests too, against the narrow 4-token lookup, C=32 (about 4 min)
+	$(SELFSPEC) bench serve --model tiny-idlm --prompts external --concurrency 32 --num-prompts 64 --max-tokens 128 \
+	  --interleave 2 --modes ar,ngram,isd,isd-wide=isd --mode-args "isd-wide=$(FW)/policy-tree-wide-isd.yaml" \
+	  --genai-bench off --json $(R)/policy/tree-wide-c32.json
 # defaults/: every mode at its defaults vs stock AR and NGRAM, 3 runs per set (about 4 h)
 	bash bench/defaults_vs_ngram.sh $(R)/defaults 3
 # defaults/t07-c1-humaneval.json: T=0.7 at C=1, the default beside stock AR and the worker's AR
