@@ -164,13 +164,19 @@ def test_a_cell_reads_only_the_log_lines_it_wrote(growth, tmp_path, monkeypatch)
     assert cell["effective_ms"] == pytest.approx(1e3 * 2 * 2.0 / 128.0)
 
 
-def test_help_and_dry_run_start_nothing():
+def test_quick_grid_flags_and_a_grid_past_the_context_are_refused(growth):
+    """The servers' flags fit the grid (room for its widest level, radix cache off); a grid past the
+    model's positions stops before any server starts, as a usage error (exit 2) of the script."""
+    grid = growth.grid_of(_ns(quick=True))
+    flags = growth.server_flags(grid)
+    assert flags[flags.index("--max-running-requests") + 1] == str(max(grid["concurrency"]))
+    assert "--disable-radix-cache" in flags
+    growth.check_context(grid, 4096)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        growth.check_context({**grid, "prompt_tokens": [4000]}, 4096)
     script = str(REPO / "bench" / "growth.py")
-    out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert out.returncode == 0 and "--prompt-tokens" in out.stdout and "--quick" in out.stdout
-    dry = subprocess.run([sys.executable, script, "--dry-run", "--quick"], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
-    assert dry.returncode == 0 and "minutes" in dry.stderr and "--max-running-requests 16" in dry.stderr
+    assert subprocess.run([sys.executable, script, "--dry-run", "--quick"], capture_output=True, cwd=REPO,
+                          timeout=120).returncode == 0
     bad = subprocess.run([sys.executable, script, "--dry-run", "--prompt-tokens", "4000"], capture_output=True,
-                         text=True, cwd=REPO, timeout=120)
-    assert bad.returncode == 2 and "max_position_embeddings" in bad.stderr
+                         cwd=REPO, timeout=120)
+    assert bad.returncode == 2
