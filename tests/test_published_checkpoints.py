@@ -304,9 +304,13 @@ def test_sdar_by_hub_name_serves_isd_equal_to_its_weights_run_causally(tmp_path_
 @pytest.mark.server
 def test_bare_lora_over_a_maskless_base_serves_risd_equal_to_the_base(tmp_path_factory, releases, hub_env,
                                                                      heldout_ids, ar_reference):
+    """The adapter rides RISD's own steps (policy `own`: every greedy step, at every batch size of
+    the burst; the default policy runs them only at batch 1, which a 16-request burst that ends
+    together may never reach) and the outputs stay the base's."""
     proc = start_server(tmp_path_factory, "bare-lora", server_args(
         "--disable-radix-cache", "--speculative-algorithm", "RISD", "--selfspec-lora", LORA_HUB,
-        "--selfspec-mask-token-id", str(pl.mask_token_id())), model=BASE_HUB, env=hub_env)
+        "--selfspec-mask-token-id", str(pl.mask_token_id()), "--selfspec-policy", "own"),
+        model=BASE_HUB, env=hub_env)
     try:
         check_lossless(proc.base_url, heldout_ids, ar_reference, concurrent=True)
         state = _served_state(proc.base_url)
