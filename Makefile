@@ -78,7 +78,7 @@ results: setup
 	  --mode-args "worker-ar=--selfspec-policy ar" --genai-bench off --json runs/t07-c1-$$i.json; done
 	$(PY) bench/median_table.py runs/t07-c1-[123].json --save-runs $(R)/defaults/t07-c1-humaneval.json > /dev/null
 # ar-step-breakdown.json: a plain AR step phase by phase, stock SGLang beside the worker's, T=0.7, C=1 (about 8 min)
-	$(PY) bench/ar_step_breakdown.py --py-spy --json $(R)/ar-step-breakdown.json
+	$(PY) bench/step_breakdown.py --py-spy --json $(R)/ar-step-breakdown.json
 # growth.json / growth.png: ms per step of each kind as the prompt grows 256 -> 2,048 tokens, C = 1 / 16 / 64 (about 20 min)
 	$(PY) bench/growth.py --prompt-tokens 256,1024,2048 --output-tokens 128 --concurrency 1,16,64 \
 	  --modes ar,ngram,worker-ar,isd-s2,lookup-tree11,sjd-own --json $(R)/growth.json --plot $(R)/growth.png

@@ -11,7 +11,7 @@ of SGLang's synchronous event loop (`Scheduler.event_loop_normal`):
 - result: `process_batch_result` (tokens appended, finish checks, streaming out);
 - loop: the rest of the loop since the last step's result (receiving requests).
 
-One line per decode step (`SCHED_TIMING_LOG`; `bench/ar_step_breakdown.py` reads it).
+One line per decode step (`SCHED_TIMING_LOG`; `bench/step_breakdown.py` reads it).
 """
 
 from __future__ import annotations
