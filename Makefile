@@ -58,17 +58,23 @@ results: setup
 	  --mode-args "lk12s=$(FW)/lookup12x1a-sampled.yaml" --mode-args "lk4s=$(FW)/lookup4-sampled.yaml" \
 	  --json $(R)/policy/tune-t07-lookup.json
 # policy/: selfspec's context candidates vs SGLang's NGRAM drafter, replayed without forwards (about a minute)
-	$(PY) bench/context_lookup.py --prompts tune,eval,humaneval,external --tokens 12 --json $(R)/policy/lookup-vs-ngram-drafter.json
+	$(PY) bench/context_lookup.py --prompts tune,eval,humaneval,external --tokens 4,12 --tree-budgets 4,11 \
+	  --json $(R)/policy/lookup-vs-ngram-drafter.json
 # policy/tree-vs-chain.json: every mode's default (the long lookup a draft tree) beside the chain it replaced,
 # stock AR and NGRAM, greedy, one interleaved run per prompt set (about 12 min each), the sets in one file
 	for p in eval humaneval external; do $(SELFSPEC) bench serve --model tiny-idlm --prompts $$p --concurrency 1,4,16,32 \
 	  --num-prompts 32 --max-tokens 128 --interleave 2 --modes ar,ngram,isd,jacobi,sjd,isd-chain=isd \
 	  --mode-args "isd-chain=$(FW)/policy-chain-isd.yaml" --genai-bench off --json runs/tree-vs-chain-$$p.json; done
 	$(PY) bench/median_table.py runs/tree-vs-chain-{eval,humaneval,external}.json --save-runs $(R)/policy/tree-vs-chain.json
-# policy/tree-wide-c32.json: the draft tree past 18 requests too, against the narrow 4-token lookup, C=32 (about 4 min)
-	$(SELFSPEC) bench serve --model tiny-idlm --prompts external --concurrency 32 --num-prompts 64 --max-tokens 128 \
-	  --interleave 2 --modes ar,ngram,isd,isd-wide=isd --mode-args "isd-wide=$(FW)/policy-tree-wide-isd.yaml" \
-	  --genai-bench off --json $(R)/policy/tree-wide-c32.json
+# policy/tune-greedy-tree-wide.json: the draft tree past 18 requests too, against the narrow 4-token lookup,
+# tune prompts, C = 24 / 32, 3 interleaved runs (about 12 min)
+	for i in 1 2 3; do $(SELFSPEC) bench serve --model tiny-idlm --prompts tune --concurrency 24,32 --num-prompts 64 \
+	  --max-tokens 128 --interleave 2 --modes ngram,isd,isd-wide=isd --mode-args "isd-wide=$(FW)/policy-tree-wide-isd.yaml" \
+	  --genai-bench off --json runs/tune-tree-wide-$$i.json; done
+	$(PY) bench/median_table.py runs/tune-tree-wide-[123].json --save-runs $(R)/policy/tune-greedy-tree-wide.json > /dev/null
+# lookup-step-breakdown.json: the draft tree's lookup step phase by phase beside NGRAM's, 32 requests (about 5 min)
+	$(PY) bench/step_breakdown.py --servers ngram,lookup-tree --concurrency 32 --temperature 0 --prompts external \
+	  --num-prompts 96 --py-spy --json $(R)/lookup-step-breakdown.json
 # defaults/: every mode at its defaults vs stock AR and NGRAM, 3 runs per set (about 4 h)
 	bash bench/defaults_vs_ngram.sh $(R)/defaults 3
 # defaults/t07-c1-humaneval.json: T=0.7 at C=1, the default beside stock AR and the worker's AR

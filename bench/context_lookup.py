@@ -201,15 +201,16 @@ def replay(drafter, data: list[tuple[list[int], list[int]]], levels: list[int], 
 
 
 def replay_set(name: str, data: list, levels: list[int], sizes: list[int], lengths: list[int], costs,
-               costs_path: str | None, tree_scores: list[float] = (0.0,)) -> dict:
+               costs_path: str | None, tree_scores: list[float] = (0.0,),
+               tree_budgets: list[int] = (NGRAM_DRAFT_TOKENS - 1,)) -> dict:
     """Every drafter replayed on one prompt set's AR outputs; prints its table, returns {drafter: rows}."""
     out: dict = {}
     print(f"\n{name}\n{'drafter':>14} " + " ".join(f"{'C=' + str(c):>20}" for c in levels)
           + "   (tokens/step: all / non-looping [query tokens/step])")
     drafters = [NgramDrafter()] + [SelfspecDrafter(k, capped, adaptive) for k in lengths
                                    for capped, adaptive in ((False, False), (True, False), (True, True))]
-    drafters += [TreeDrafter(NGRAM_DRAFT_TOKENS - 1, score, adaptive=adaptive)
-                 for score in tree_scores for adaptive in (False, True)]
+    drafters += [TreeDrafter(budget, score, adaptive=adaptive)
+                 for budget in tree_budgets for score in tree_scores for adaptive in (False, True)]
     priced: list[str] = []
     for drafter in drafters:
         res = replay(drafter, data, levels, sizes)
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4,16,32", help="levels, as bench serve (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="AR output tokens per request (default 128)")
     p.add_argument("--tokens", default="8,12,16", help="selfspec candidate lengths K to replay (default %(default)s)")
+    p.add_argument("--tree-budgets", default=str(NGRAM_DRAFT_TOKENS - 1),
+                   help="draft trees to replay, by their draft tokens (default %(default)s: NGRAM's budget)")
     p.add_argument("--tree-scores", default="0", help="draft trees to replay, by their nodes' least score "
                                                           "(`draft_tree.draft_tree` min_score; default %(default)s)")
     p.add_argument("--costs", help="a `selfspec tune --json` report: price each level's steps by its forward-cost table")
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         outs = engine.generate(prompts, args.max_tokens, SamplingParams(), stop_token_ids=[], batch_size=32)
         data = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outs)]
-        report["sets"][name] = replay_set(name, data, levels, sizes, lengths, costs, args.costs, tree_scores)
+        report["sets"][name] = replay_set(name, data, levels, sizes, lengths, costs, args.costs, tree_scores,
+                                          [int(x) for x in args.tree_budgets.split(",")])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")

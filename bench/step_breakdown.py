@@ -65,7 +65,7 @@ PARTS = (
     ("stream output", ("SchedulerOutputStreamer.stream_output",)),
     ("ngram draft", ("NGRAMWorker._prepare_for_speculative_decoding",)),
     ("ngram corpus", ("NGRAMWorker._update_ngram_corpus",)),
-    ("ngram verify", ("NgramVerifyInput.verify", "NgramVerifyInput._fill_requests")),
+    ("ngram verify", ("eagle_sample",)),
     ("verify attention", ("verify_attention",)),
 )
 def sched_pid(root: int) -> int | None:
