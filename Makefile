@@ -72,6 +72,12 @@ results: setup
 	  --max-tokens 128 --interleave 2 --modes ngram,isd,isd-wide=isd --mode-args "isd-wide=$(FW)/policy-tree-wide-isd.yaml" \
 	  --genai-bench off --json runs/tune-tree-wide-$$i.json; done
 	$(PY) bench/median_table.py runs/tune-tree-wide-[123].json --save-runs $(R)/policy/tune-greedy-tree-wide.json > /dev/null
+# policy/tune-greedy-wide-length.json: the narrow lookup past 18 requests, 12 tokens cut to the match's length
+# (the default) against a fixed 4, tune prompts, C = 24 / 32, 3 interleaved runs (about 12 min)
+	for i in 1 2 3; do $(SELFSPEC) bench serve --model tiny-idlm --prompts tune --concurrency 24,32 --num-prompts 64 \
+	  --max-tokens 128 --interleave 2 --modes ngram,isd,isd-w4=isd --mode-args "isd-w4=$(FW)/policy-wide4-isd.yaml" \
+	  --genai-bench off --json runs/tune-wide-length-$$i.json; done
+	$(PY) bench/median_table.py runs/tune-wide-length-[123].json --save-runs $(R)/policy/tune-greedy-wide-length.json > /dev/null
 # lookup-step-breakdown.json: the draft tree's lookup step phase by phase beside NGRAM's, 32 requests (about 5 min)
 	$(PY) bench/step_breakdown.py --servers ngram,lookup-tree --concurrency 32 --temperature 0 --prompts external \
 	  --num-prompts 96 --py-spy --json $(R)/lookup-step-breakdown.json

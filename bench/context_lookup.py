@@ -66,13 +66,15 @@ class Request:
 
 
 class SelfspecDrafter:
-    def __init__(self, tokens: int, capped: bool = False, adaptive: bool = False):
+    def __init__(self, tokens: int, capped: bool = False, adaptive: bool = False, length_factor: float = 0.0):
         self.tokens, self.corpus, self.capped, self.adaptive = tokens, SharedCorpus(), capped, adaptive
-        self.name = f"selfspec+{tokens}" + ("c" if capped else "") + ("a" if adaptive else "")
+        self.length_factor = length_factor
+        self.name = (f"selfspec+{tokens}" + ("c" if capped else "") + ("a" if adaptive else "")
+                     + (f"x{length_factor:g}" if length_factor else ""))
 
     def start(self, req: Request) -> None:
         index = SuffixIndex(CONTEXT_MATCH_SIZES, self.corpus, DecodeSequence(list(req.prompt)),
-                            WEAK_MATCH_CAPS if self.capped else None)
+                            WEAK_MATCH_CAPS if self.capped else None, length_factor=self.length_factor)
         req.state = (index, RecentAcceptance(self.tokens) if self.adaptive else None)
 
     def paths(self, req: Request) -> list[list[int]]:
@@ -202,13 +204,14 @@ def replay(drafter, data: list[tuple[list[int], list[int]]], levels: list[int], 
 
 def replay_set(name: str, data: list, levels: list[int], sizes: list[int], lengths: list[int], costs,
                costs_path: str | None, tree_scores: list[float] = (0.0,),
-               tree_budgets: list[int] = (NGRAM_DRAFT_TOKENS - 1,)) -> dict:
+               tree_budgets: list[int] = (NGRAM_DRAFT_TOKENS - 1,), length_factors: list[float] = ()) -> dict:
     """Every drafter replayed on one prompt set's AR outputs; prints its table, returns {drafter: rows}."""
     out: dict = {}
     print(f"\n{name}\n{'drafter':>14} " + " ".join(f"{'C=' + str(c):>20}" for c in levels)
           + "   (tokens/step: all / non-looping [query tokens/step])")
     drafters = [NgramDrafter()] + [SelfspecDrafter(k, capped, adaptive) for k in lengths
                                    for capped, adaptive in ((False, False), (True, False), (True, True))]
+    drafters += [SelfspecDrafter(k, length_factor=f) for k in lengths for f in length_factors]
     drafters += [TreeDrafter(budget, score, adaptive=adaptive)
                  for budget in tree_budgets for score in tree_scores for adaptive in (False, True)]
     priced: list[str] = []
@@ -237,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4,16,32", help="levels, as bench serve (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="AR output tokens per request (default 128)")
     p.add_argument("--tokens", default="8,12,16", help="selfspec candidate lengths K to replay (default %(default)s)")
+    p.add_argument("--length-factors", default="", help="also replay each length's chain cut to this many "
+                   "times its match's length (`SuffixIndex` length_factor), comma-separated (default none)")
     p.add_argument("--tree-budgets", default=str(NGRAM_DRAFT_TOKENS - 1),
                    help="draft trees to replay, by their draft tokens (default %(default)s: NGRAM's budget)")
     p.add_argument("--tree-scores", default="0", help="draft trees to replay, by their nodes' least score "
@@ -283,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         outs = engine.generate(prompts, args.max_tokens, SamplingParams(), stop_token_ids=[], batch_size=32)
         data = [(list(p), list(o.token_ids)) for p, o in zip(prompts, outs)]
         report["sets"][name] = replay_set(name, data, levels, sizes, lengths, costs, args.costs, tree_scores,
-                                          [int(x) for x in args.tree_budgets.split(",")])
+                                          [int(x) for x in args.tree_budgets.split(",")],
+                                          [float(x) for x in args.length_factors.split(",") if x])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")

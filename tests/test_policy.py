@@ -60,6 +60,7 @@ def test_the_policy_speculates_at_every_batch_size(mode, policy):
                 assert step.options["adaptive"] and step.options["length_factor"] == policy.lookup_length_factor
         else:
             assert (step.mode, step.options["num_draft"]) == ("ngram", policy.wide_tokens), (b, step)
+            assert step.options.get("length_factor", 0.0) == policy.wide_length_factor, (b, step)
         assert _served_by(plan, b, sampled=True).mode == "ar", b
     assert all(b.mode != mode for b in WidthPlan.from_dict(_plan(mode, PolicyConfig("lookup")), mode).greedy)
     assert _plan(mode, PolicyConfig("own")) is None

@@ -9,7 +9,8 @@ the wider the batch the sooner it turns linear. So, per step, from the batch it 
   rides along as a second branch;
 - middle greedy batches run the lookup step (`ngram.NgramMode`: the candidate alone), a draft
   tree of 11 tokens over every place the text's suffix occurred (`ngram.SuffixIndex.tree`);
-- wide greedy batches run the narrow lookup step: a drafted token must be likely to pay its cost;
+- wide greedy batches run the narrow lookup step: a drafted token must be likely to pay its cost,
+  so a draft is no longer than its match (a loop followed back drafts all 12 tokens);
 - sampled batches run plain AR steps, at every batch size: on the tune prompts at temperature
   0.7 no speculative step beat them (ISD's own stride-2 step with a 4-token candidate read
   0.98 / 0.98 / 0.86x stock AR at C = 1 / 4 / 16, the worker's AR steps 1.04 / 1.16 / 1.30x;
@@ -80,7 +81,14 @@ class PolicyConfig:
     # (bench/results/policy/tree-vs-chain.json; tuned on the replay of the tune prompts,
     # `bench/context_lookup.py`)
     lookup_tree: int = 11
-    wide_tokens: int = 4  # the narrow lookup's draft
+    # the narrow lookup's draft: at most `wide_tokens`, and (> 0) at most `wide_length_factor`
+    # times as long as its match, so a loop followed back drafts long and a fresh match short.
+    # Tune prompts, 3 interleaved runs at C = 24 / 32 (bench/results/policy/tune-greedy-tree-wide.json):
+    # 12 tokens x 1 read the tok/s of a fixed 4 (2.17 / 2.00 against 2.21 / 1.99x AR) and
+    # committed 17 / 27% more per step (TPF 4.05 / 4.45 against 3.45 / 3.50; NGRAM 4.36 / 5.17):
+    # as fast here, and fewer forwards where a forward costs the same for more query tokens
+    wide_tokens: int = 12
+    wide_length_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
@@ -156,5 +164,5 @@ def policy_plan(mode: str, own_options: dict[str, Any], policy: PolicyConfig) ->
     if policy.lookup_max_batch > policy.own_max_batch:
         greedy.append(_lookup(policy.lookup_tokens, policy.lookup_max_batch, policy.lookup_length_factor, adaptive=True,
                               tree=policy.lookup_tree))
-    greedy.append(_lookup(policy.wide_tokens, None))
+    greedy.append(_lookup(policy.wide_tokens, None, policy.wide_length_factor))
     return {"greedy": greedy, "sampled": [{"max_batch": None, "mode": "ar"}]}
