@@ -9,7 +9,8 @@ same time; the median of three keeps one disturbed run from deciding a cell.
     python bench/median_table.py RUN1.json RUN2.json RUN3.json [--markdown] [--json OUT] [--save-runs RUNS.json]
     python bench/median_table.py RUNS.json [--markdown]
 
-A file is one report or a runs file, `{"schema": "selfspec.bench.serve.runs/v1", "runs": [report,
+Runs may measure different levels (a level measured again on its own): each level's median is
+over the runs that measured it, and the legend says how many. A file is one report or a runs file, `{"schema": "selfspec.bench.serve.runs/v1", "runs": [report,
 ...]}`, the repeats of one set kept together (what `--save-runs` writes from the reports read, and
 what bench/results/defaults/ holds). Reports of different prompt sets get a table each.
 """
@@ -45,12 +46,18 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(got) if got else None
 
 
+def levels_of(reports: list[dict]) -> list[int]:
+    """Every concurrency level any of the reports measured, ascending (a run may measure some
+    levels only: each level's median is over the runs that measured it)."""
+    return sorted({c for rep in reports for c in rep["concurrency"]})
+
+
 def cells(reports: list[dict]) -> dict:
     """label -> concurrency -> the medians over the reports."""
     out: dict = {}
     labels = [r["label"] for r in reports[0]["results"] if r["status"] == "ok"]
     for label in labels:
-        for c in reports[0]["concurrency"]:
+        for c in levels_of(reports):
             per_run = []
             for rep in reports:
                 rows = {r["label"]: r for r in rep["results"] if r["status"] == "ok"}
@@ -82,7 +89,7 @@ def cells(reports: list[dict]) -> dict:
 
 def table(reports: list[dict], markdown: bool) -> str:
     med = cells(reports)
-    levels = reports[0]["concurrency"]
+    levels = levels_of(reports)
 
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
@@ -99,7 +106,10 @@ def table(reports: list[dict], markdown: bool) -> str:
     kinds = [f"{label}: " + "; ".join(f"C={c} " + ", ".join(f"{k} {v:.0%}" for k, v in by_c[c]["kinds"].items())
                                       for c in levels if by_c[c]["kinds"])
              for label, by_c in med.items() if any(by_c[c]["kinds"] for c in levels)]
-    legend = (f"median of {len(reports)} runs; cell: x AR (non-looping x AR) [x NGRAM / non-looping x NGRAM]; "
+    runs = {c: sum(c in rep["concurrency"] for rep in reports) for c in levels}
+    counted = (f"median of {len(reports)} runs" if len(set(runs.values())) == 1 and runs[levels[0]] == len(reports)
+               else "median of the runs of each level (" + ", ".join(f"C={c}: {n}" for c, n in runs.items()) + ")")
+    legend = (f"{counted}; cell: x AR (non-looping x AR) [x NGRAM / non-looping x NGRAM]; "
               f"prompts {reports[0].get('prompts_file')}, T={reports[0].get('temperature')}")
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in lines]
@@ -118,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="write every report read, in order, as one runs file")
     args = p.parse_args(argv)
     reports = [rep for path in args.reports for rep in load_reports(path)]
-    if len({tuple(r["concurrency"]) for r in reports}) != 1:
-        p.error("the reports' concurrency levels differ")
     # a median across prompt sets means nothing: one table per set, in the order first read
     sets: dict[str, list[dict]] = {}
     for rep in reports:

@@ -156,18 +156,47 @@ def test_a_bad_prompt_set_is_named(tmp_path):
         load_prompt_set(str(bad))
 
 
-# ------------------------------------------------------------------ bench/context_lookup.py
-def _context_lookup():
+# ------------------------------------------------------------------ bench/*.py scripts
+def _bench_module(name: str):
+    """bench/NAME.py, imported (the scripts are not a package)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "context_lookup.py"
-    spec = importlib.util.spec_from_file_location("context_lookup", path)
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _context_lookup():
+    return _bench_module("context_lookup")
+
+
+def _report(levels: dict[int, dict[str, float]]) -> dict:
+    """A `bench serve` report with rows ar / ngram / isd: {C: {label: output tok/s}}."""
+    labels = ("ar", "ngram", "isd")
+    return {"concurrency": sorted(levels), "prompts_file": "eval", "temperature": 0.0,
+            "results": [{"label": lab, "status": "ok", "levels": [
+                {"concurrency": c, "output_tok_s": rates[lab], "tpf": 1.0} for c, rates in sorted(levels.items())]}
+                for lab in labels]}
+
+
+def test_median_table_takes_each_levels_median_over_the_runs_that_measured_it():
+    """A level measured again on its own joins the full runs: its median is over the runs that
+    have it, the other levels keep theirs, and the legend says how many runs each level has."""
+    mt = _bench_module("median_table")
+    full = [_report({1: {"ar": 10, "ngram": 20, "isd": 30}, 32: {"ar": 10, "ngram": 20, "isd": x}}) for x in (5, 6, 7)]
+    alone = [_report({32: {"ar": 10, "ngram": 20, "isd": x}}) for x in (40, 50, 60)]
+    med = mt.cells(full[:1] + alone)
+    assert med["isd"][1]["runs"] == 1 and med["isd"][1]["x_ngram"] == pytest.approx(1.5)
+    assert med["isd"][32]["runs"] == 4 and med["isd"][32]["x_ngram"] == pytest.approx((2.0 + 2.5) / 2)
+    assert mt.cells(full)["isd"][32]["x_ngram"] == pytest.approx(0.3)
+    assert mt.cells(alone + full[:1])["isd"][1]["runs"] == 1  # whichever run comes first
+    text = mt.table(full[:1] + alone, markdown=True)
+    assert "C=1: 1, C=32: 4" in text and "| isd | " in text
 
 
 def test_context_lookup_replays_what_each_drafter_commits():
@@ -288,17 +317,9 @@ def _bench_script(name: str):
 
 def test_step_costs_reads_the_workers_step_timing_lines():
     """bench/step_costs.py parses what the worker logs under SELFSPEC_DEBUG_TIMING=1."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     from selfspec.sglang_ext.worker import STEP_TIMING_LOG
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "step_costs.py"
-    spec = importlib.util.spec_from_file_location("step_costs", path)
-    sc = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = sc
-    spec.loader.exec_module(sc)
+    sc = _bench_module("step_costs")
     log = "\n".join("INFO " + STEP_TIMING_LOG % args for args in [
         (2, 3, 6, 3, 0.1, 8.0, 1.0, float("nan")), (2, 3, 6, 5, 0.2, 9.0, 1.2, 1.1), (1, 1, 1, 1, 0.1, 6.0, 0.3, 1.0)])
     steps = sc.parse_steps(log)
@@ -306,3 +327,18 @@ def test_step_costs_reads_the_workers_step_timing_lines():
     row = sc.summarize(steps[2], 2)
     assert row["forward"] == 9.0 and row["period"] == pytest.approx(0.2 + 9.0 + 1.2 + 1.1)  # the first has no gap
     assert row["tokens_per_request_step"] == 2.0 and row["query_tokens_per_request"] == 3.0
+
+
+
+def test_step_breakdown_reads_the_steps_of_a_full_batch():
+    """bench/step_breakdown.py's table reads the scheduler's and the worker's per-step lines of
+    at least `min_batch` requests (a burst's full batch, not its tail)."""
+    from selfspec.sglang_ext.step_timing import SCHED_TIMING_LOG
+    from selfspec.sglang_ext.worker import STEP_TIMING_LOG
+
+    sb = _bench_module("step_breakdown")
+    log = "\n".join(["INFO " + SCHED_TIMING_LOG % (bs, 1.0, run, 0.5, 0.2) for bs, run in ((32, 60.0), (30, 62.0), (3, 9.0))]
+                    + ["INFO " + STEP_TIMING_LOG % (bs, 12, 300, 200, 5.0, fwd, 4.0, 1.0) for bs, fwd in ((32, 55.0), (2, 7.0))])
+    full = sb.medians(log, min_batch=24)
+    assert full["decode_steps"] == 2 and full["scheduler_ms"]["run"] == 61.0 and full["worker_ms"]["forward"] == 55.0
+    assert sb.medians(log)["decode_steps"] == 3
