@@ -58,7 +58,7 @@ results: setup
 	  --mode-args "lk12s=$(FW)/lookup12x1a-sampled.yaml" --mode-args "lk4s=$(FW)/lookup4-sampled.yaml" \
 	  --json $(R)/policy/tune-t07-lookup.json
 # policy/: selfspec's context candidates vs SGLang's NGRAM drafter, replayed without forwards (about a minute)
-	$(PY) bench/context_lookup.py --prompts tune,eval,humaneval,external --tokens 4,12 --tree-budgets 4,11 \
+	$(PY) bench/context_lookup.py --prompts tune,eval,humaneval,external --tokens 4,12 --length-factors 1 --tree-budgets 4,11 \
 	  --json $(R)/policy/lookup-vs-ngram-drafter.json
 # policy/tree-vs-chain.json: every mode's default (the long lookup a draft tree) beside the chain it replaced,
 # stock AR and NGRAM, greedy, one interleaved run per prompt set (about 12 min each), the sets in one file
