@@ -57,7 +57,7 @@ class PolicyConfig:
     # Tune prompts: the long lookup led at C = 4 / 8 / 16 (1047 / 1419 / 1880 tok/s against 850 /
     # 1460 / 1700 for 4 tokens), the 4-token one at C = 32 (2146 against 1990). With the long
     # lookup's draft tree (median of 3 interleaved runs, bench/results/policy/tune-greedy-tree-wide.json):
-    # tied at C = 24 (2.16 / 2.09x AR), the narrow lookup ahead at C = 32 (2.07 / 1.77x AR), where
+    # tied at C = 24 (2.16 / 2.09x AR), the narrow lookup (a fixed 4 then) ahead at C = 32 (2.07 / 1.77x AR), where
     # the tree commits NGRAM's tokens per step (4.97 against 5.17; the narrow lookup 3.50) at
     # NGRAM's cost per step (bench/results/lookup-step-breakdown.json)
     lookup_max_batch: int = 18
