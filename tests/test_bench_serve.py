@@ -175,7 +175,7 @@ def _context_lookup():
     return _bench_module("context_lookup")
 
 
-def _report(levels: dict[int, dict[str, float]]) -> dict:
+def _runs_report(levels: dict[int, dict[str, float]]) -> dict:
     """A `bench serve` report with rows ar / ngram / isd: {C: {label: output tok/s}}."""
     labels = ("ar", "ngram", "isd")
     return {"concurrency": sorted(levels), "prompts_file": "eval", "temperature": 0.0,
@@ -188,8 +188,9 @@ def test_median_table_takes_each_levels_median_over_the_runs_that_measured_it():
     """A level measured again on its own joins the full runs: its median is over the runs that
     have it, the other levels keep theirs, and the legend says how many runs each level has."""
     mt = _bench_module("median_table")
-    full = [_report({1: {"ar": 10, "ngram": 20, "isd": 30}, 32: {"ar": 10, "ngram": 20, "isd": x}}) for x in (5, 6, 7)]
-    alone = [_report({32: {"ar": 10, "ngram": 20, "isd": x}}) for x in (40, 50, 60)]
+    full = [_runs_report({1: {"ar": 10, "ngram": 20, "isd": 30}, 32: {"ar": 10, "ngram": 20, "isd": x}})
+            for x in (5, 6, 7)]
+    alone = [_runs_report({32: {"ar": 10, "ngram": 20, "isd": x}}) for x in (40, 50, 60)]
     med = mt.cells(full[:1] + alone)
     assert med["isd"][1]["runs"] == 1 and med["isd"][1]["x_ngram"] == pytest.approx(1.5)
     assert med["isd"][32]["runs"] == 4 and med["isd"][32]["x_ngram"] == pytest.approx((2.0 + 2.5) / 2)
