@@ -43,7 +43,8 @@ SERVERS = {
     "default": ["--speculative-algorithm", "ISD"],
     "ngram": ["--speculative-algorithm", "NGRAM"],
     # the default policy with its long lookup (the 11-token tree) at every greedy batch size
-    "lookup-tree": ["--speculative-algorithm", "ISD", "--selfspec-config", "bench/fixed_widths/policy-tree-wide-isd.yaml"],
+    "lookup-tree": ["--speculative-algorithm", "ISD", "--selfspec-config",
+                    str(Path(__file__).resolve().parent / "fixed_widths" / "policy-tree-wide-isd.yaml")],
 }
 SCHED = re.compile(r"\[selfspec\] sched step bs=(\d+) prepare ([\d.]+) ms run ([\d.]+) ms result ([\d.]+) ms "
                    r"loop ([\d.na]+) ms")
